@@ -1,0 +1,27 @@
+# prolip_jax: `make test` (what CI runs) and, once the trainer lands, `make demo`.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# Eight fake CPU devices so sharding tests run anywhere (no effect on a GPU/TPU host).
+TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
+
+.PHONY: install test test-torch clean
+
+# The stamp is rebuilt when the dependency lists change.
+$(VENV)/.installed: setup.cfg pyproject.toml requirements/constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -c requirements/constraints.txt -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+test: $(VENV)/.installed
+	$(TEST_ENV) $(PY) -m pytest -q tests
+
+# Optional: PyTorch round-trip tests (CPU wheel), skipped by `make test` when torch is absent.
+test-torch: $(VENV)/.installed
+	$(PY) -m pip install -q -c requirements/constraints.txt torch==2.13.0
+	$(TEST_ENV) $(PY) -m pytest -q tests -k torch
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache
