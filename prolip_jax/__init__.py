@@ -1,0 +1,1 @@
+"""prolip_jax: probabilistic vision-language models (ProLIP) in JAX/Flax."""

@@ -1,0 +1,124 @@
+"""ProLIP: the two towers plus the learnable PPCL scale and bias (REFERENCE §1.1, §2.3).
+
+Every input becomes N(mu, diag sigma^2): mu is L2-normalised here (as the reference's
+`encode_*(normalize=True)`), log sigma^2 is returned raw. `logit_scale` stores log a
+(a = exp(logit_scale), init from the config: the paper's a = 10 by default) and
+`logit_bias` stores b (init -10).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from prolip_jax.models.config import ProLIPConfig
+from prolip_jax.models.text import TextTower
+from prolip_jax.models.transformer import constant
+from prolip_jax.models.vit import VisionTower
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-12) -> jax.Array:
+    """torch.nn.functional.normalize: x / max(||x||, eps)."""
+    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), eps)
+
+
+class ProLIP(nn.Module):
+    config: ProLIPConfig
+    dtype: Any = jnp.float32  # compute dtype; parameters stay float32
+    attention_impl: str = "auto"  # 'auto' | 'xla' | 'cudnn'
+    remat: str = "none"  # see transformer.REMAT_POLICIES
+
+    def setup(self):
+        c = self.config
+        self.visual = VisionTower(c.vision, c.embed_dim, c.quick_gelu, self.dtype, self.attention_impl, self.remat)
+        self.text = TextTower(c.text, c.embed_dim, c.quick_gelu, self.dtype, self.attention_impl, self.remat)
+        self.logit_scale = self.param(
+            "logit_scale", nn.with_logical_partitioning(constant(c.init_logit_scale), ()), ())
+        self.logit_bias = self.param(
+            "logit_bias", nn.with_logical_partitioning(constant(c.init_logit_bias), ()), ())
+
+    def encode_image(self, images: jax.Array, keep_idx: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """images [B, H, W, 3] -> (mu [B, E] unit-norm, log sigma^2 [B, E]), float32."""
+        mu, logvar = self.visual(images, keep_idx)
+        return l2_normalize(mu), logvar
+
+    def encode_text(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """tokens int [B, L] -> (mu [B, E] unit-norm, log sigma^2 [B, E]), float32."""
+        mu, logvar = self.text(tokens)
+        return l2_normalize(mu), logvar
+
+    def __call__(self, images: jax.Array | None, tokens: jax.Array | None,
+                 image_keep_idx: jax.Array | None = None) -> dict[str, jax.Array]:
+        """Either modality may be None (its outputs are then absent), as in the reference."""
+        out = {"logit_scale": jnp.exp(self.logit_scale), "logit_bias": self.logit_bias}
+        if images is not None:
+            out["image_mean"], out["image_logvar"] = self.encode_image(images, image_keep_idx)
+        if tokens is not None:
+            out["text_mean"], out["text_logvar"] = self.encode_text(tokens)
+        return out
+
+
+def init_params(config: ProLIPConfig, rng: jax.Array, **model_kw) -> dict:
+    """Float32 parameters with logical-axis boxes removed (see `nn.unbox`)."""
+    model = ProLIP(config, **model_kw)
+    images, tokens = dummy_inputs(config)
+    return nn.unbox(model.init(rng, images, tokens))["params"]
+
+
+def dummy_inputs(config: ProLIPConfig, batch: int = 1) -> tuple[jax.Array, jax.Array]:
+    s = config.vision.image_size
+    return (jnp.zeros((batch, s, s, 3), jnp.float32),
+            jnp.ones((batch, config.text.context_length), jnp.int32))
+
+
+def abstract_params(config: ProLIPConfig) -> dict:
+    """Parameter shapes/dtypes without allocating (for counting and shape checks)."""
+    return jax.eval_shape(lambda r: init_params(config, r), jax.random.key(0))
+
+
+def count_params(params: Any) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+# ----------------------------------------------------------------------------------------
+# Masked inputs for the inclusion loss (REFERENCE §2.6).
+# ----------------------------------------------------------------------------------------
+def num_kept_patches(num_patches: int, keep_ratio: float) -> int:
+    """The reference keeps `int(N * image_mask_ratio)` patches (0.75 is a *keep* ratio)."""
+    if not 0.0 < keep_ratio <= 1.0:
+        raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio}")
+    kept = int(num_patches * keep_ratio)
+    if kept < 1:
+        raise ValueError(f"keep_ratio {keep_ratio} keeps no patch out of {num_patches}")
+    return kept
+
+
+def random_keep_indices(rng: jax.Array, num_patches: int, keep_ratio: float,
+                        batch: int | None = None) -> jax.Array:
+    """Sorted random patch indices to keep: int32 [K], or [batch, K] for one subset per sample.
+
+    The reference draws one permutation shared by the whole masked sub-batch (batch=None).
+    """
+    k = num_kept_patches(num_patches, keep_ratio)
+    if batch is None:
+        return jnp.sort(jax.random.permutation(rng, num_patches)[:k]).astype(jnp.int32)
+    keys = jax.random.split(rng, batch)
+    perm = jax.vmap(lambda r: jax.random.permutation(r, num_patches)[:k])(keys)
+    return jnp.sort(perm, axis=-1).astype(jnp.int32)
+
+
+def mask_text_tokens(rng: jax.Array, tokens: jax.Array, mask_id: int, prob: float,
+                     protected_ids: tuple[int, ...] = (1,)) -> jax.Array:
+    """Replace each token not in `protected_ids` by `mask_id` with probability `prob`.
+
+    tokens int [B, L]. The reference protects id 1 (pad == EOS for the SigLIP vocab) and uses
+    [MASK] = 32000 (`<extra_id_99>`) with prob 0.75; masked tokens stay in place.
+    """
+    if not 0.0 <= prob <= 1.0:
+        raise ValueError(f"mask probability must be in [0, 1], got {prob}")
+    replace = jax.random.uniform(rng, tokens.shape) < prob
+    protected = jnp.isin(tokens, jnp.asarray(protected_ids, tokens.dtype))
+    return jnp.where(replace & ~protected, jnp.asarray(mask_id, tokens.dtype), tokens)

@@ -1,0 +1,57 @@
+"""ProLIP text tower: a bidirectional Transformer with [UNC] and [CLS] appended (REFERENCE §1.3).
+
+Token layout `[t_0 .. t_{L-1}, UNC, CLS]` + position rows 0..L+1 (the reference slices
+`positional_embedding[:L + 2]`, so a shorter input moves UNC/CLS to rows L, L+1); **no
+attention mask at all** (no causal mask, pad tokens attend and are attended to); `ln_final`
+on CLS only; mu = Linear(CLS) with bias. As coded in the reference, text log sigma^2 is
+`text_uncertainty_projection(mu_unnormalised)`: the [UNC] output is computed but unused, and
+[UNC] affects log sigma^2 only through attention (the paper's §3.1 holds for images only).
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from prolip_jax.models.config import TextConfig
+from prolip_jax.models.transformer import Encoder, LayerNorm, Linear, block_init, constant, normal, zeros
+
+
+class TextTower(nn.Module):
+    config: TextConfig
+    embed_dim: int
+    quick_gelu: bool = False
+    dtype: jnp.dtype = jnp.float32
+    attention_impl: str = "auto"
+    remat: str = "none"
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """tokens int [B, L] with L <= context_length -> (mu [B, E] unnormalised, log sigma^2 [B, E])."""
+        c = self.config
+        b, length = tokens.shape
+        if length > c.context_length:
+            raise ValueError(f"token sequence length {length} exceeds context_length {c.context_length}")
+        d = c.width
+
+        table = self.param("token_embedding", nn.with_logical_partitioning(normal(0.02), ("vocab", "embed")),
+                           (c.vocab_size, d))
+        x = jnp.take(table, tokens, axis=0).astype(self.dtype)
+        cls = self.param("cls_emb", nn.with_logical_partitioning(normal(0.01), ("embed",)), (d,))
+        unc = self.param("unc_emb", nn.with_logical_partitioning(normal(0.01), ("embed",)), (d,))
+        pos = self.param("positional_embedding", nn.with_logical_partitioning(normal(0.01), ("pos", "embed")),
+                         (c.context_length + 2, d))
+        special = jnp.broadcast_to(jnp.stack([unc, cls]).astype(self.dtype), (b, 2, d))
+        x = jnp.concatenate([x, special], axis=1) + pos[: length + 2].astype(self.dtype)
+        x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+        x = Encoder(c.layers, c.heads, c.mlp_dim, c.ln_eps, self.quick_gelu,
+                    block_init(d, c.layers, c.mlp_dim, "open_clip_text"), self.dtype,
+                    self.attention_impl, self.remat, name="transformer")(x)
+
+        pooled = LayerNorm(c.ln_eps, self.dtype, name="ln_final")(x[:, -1])
+        mu = Linear(self.embed_dim, ("embed", "proj"), normal(d ** -0.5), zeros, self.dtype,
+                    name="text_projection")(pooled)
+        logvar = Linear(self.embed_dim, ("proj_in", "proj"), normal(d ** -0.5), constant(c.init_unc_bias),
+                        self.dtype, name="text_uncertainty_projection")(mu)
+        return mu.astype(jnp.float32), logvar.astype(jnp.float32)

@@ -1,0 +1,80 @@
+"""ProLIP image tower: a ViT with an extra [UNC] token (REFERENCE §1.2, §9.1).
+
+Token layout `[CLS, UNC, patch_0 .. patch_{N-1}]` with position rows 0, 1, 2.. ; `ln_pre`,
+the blocks, `ln_post` on the tokens, then a *second* `ln_post` on CLS only (a quirk of the
+reference that parity needs); mu = CLS @ proj (no bias), log sigma^2 = Linear(UNC) with the
+bias initialised to -10. The patch embedding is a stride-p convolution without bias.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from prolip_jax.models.config import VisionConfig
+from prolip_jax.models.transformer import Encoder, LayerNorm, Linear, block_init, constant, normal, uniform
+
+
+class VisionTower(nn.Module):
+    config: VisionConfig
+    embed_dim: int
+    quick_gelu: bool = False
+    dtype: jnp.dtype = jnp.float32
+    attention_impl: str = "auto"
+    remat: str = "none"
+
+    @nn.compact
+    def __call__(self, images: jax.Array, keep_idx: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """images [B, H, W, 3] (normalised) -> (mu [B, E] unnormalised, log sigma^2 [B, E]).
+
+        keep_idx: optional int [K] (shared by the batch, as the reference) or [B, K] patch
+        indices in raster order to keep for the masked forward; the others are dropped before
+        [CLS]/[UNC] are prepended and the position embeddings are gathered to match.
+        """
+        c = self.config
+        b, h, w, ch = images.shape
+        if (h, w, ch) != (c.image_size, c.image_size, 3):
+            raise ValueError(f"expected images [B, {c.image_size}, {c.image_size}, 3], got {images.shape}")
+        d, p, g = c.width, c.patch_size, c.grid
+        scale = d ** -0.5
+
+        # Patch embedding == Conv2d(3, d, k=p, s=p, bias=False), patches in raster (h, w) order.
+        kernel = self.param("patch_kernel", nn.with_logical_partitioning(
+            uniform((3 * p * p) ** -0.5), (None, None, None, "embed")), (p, p, 3, d))
+        x = images.astype(self.dtype).reshape(b, g, p, g, p, 3)
+        x = jnp.einsum("bgphqc,pqcd->bghd", x, kernel.astype(self.dtype)).reshape(b, g * g, d)
+
+        pos = self.param("positional_embedding", nn.with_logical_partitioning(
+            normal(scale), ("pos", "embed")), (c.num_patches + 2, d)).astype(self.dtype)
+        pos_special, pos_patches = pos[:2], pos[2:]
+        if keep_idx is not None:
+            keep_idx = jnp.asarray(keep_idx, jnp.int32)
+            if keep_idx.ndim == 1:
+                x = jnp.take(x, keep_idx, axis=1)
+                pos_patches = jnp.take(pos_patches, keep_idx, axis=0)
+            else:
+                x = jnp.take_along_axis(x, keep_idx[:, :, None], axis=1)
+                pos_patches = jnp.take(pos_patches, keep_idx, axis=0)  # [B, K, d]
+        cls = self.param("class_embedding", nn.with_logical_partitioning(normal(scale), ("embed",)), (d,))
+        unc = self.param("unc_embedding", nn.with_logical_partitioning(normal(scale), ("embed",)), (d,))
+        special = jnp.broadcast_to(jnp.stack([cls, unc]).astype(self.dtype), (b, 2, d))
+        x = jnp.concatenate([special + pos_special, x + pos_patches], axis=1)
+        x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+        x = LayerNorm(c.ln_eps, self.dtype, name="ln_pre")(x)
+        x = Encoder(c.layers, c.heads, c.mlp_dim, c.ln_eps, self.quick_gelu,
+                    block_init(d, c.layers, c.mlp_dim, "torch"), self.dtype, self.attention_impl,
+                    self.remat, name="transformer")(x)
+
+        # ln_post is per token and only tokens 0 (CLS) and 1 (UNC) are read, so apply it there.
+        ln_post = LayerNorm(c.ln_eps, self.dtype, name="ln_post")
+        pooled = ln_post(x[:, :2])
+        mu_token = ln_post(pooled[:, 0])  # CLS gets ln_post twice (REFERENCE §1.2 step 6)
+        unc_token = pooled[:, 1]
+
+        proj = self.param("proj", nn.with_logical_partitioning(normal(scale), ("embed", "proj")),
+                          (d, self.embed_dim))
+        mu = jnp.dot(mu_token, proj.astype(self.dtype))
+        logvar = Linear(self.embed_dim, ("embed", "proj"), normal(scale), constant(c.init_unc_bias),
+                        self.dtype, name="uncertainty_proj")(unc_token)
+        return mu.astype(jnp.float32), logvar.astype(jnp.float32)
