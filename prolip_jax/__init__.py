@@ -1,1 +1,12 @@
-"""prolip_jax: probabilistic vision-language models (ProLIP) in JAX/Flax."""
+"""prolip_jax: probabilistic vision-language models (ProLIP) in JAX/Flax.
+
+    import prolip_jax
+    model = prolip_jax.load(path)             # CKPT dir or Hugging Face folder
+    mu, logvar = model.encode_image(images)   # float32 [N, H, W, 3], already normalised
+    mu, logvar = model.encode_text(token_ids) # int32 [N, L]
+"""
+from prolip_jax.api import PretrainedProLIP, load
+from prolip_jax.models import ProLIP, ProLIPConfig, get_config
+
+__version__ = "0.1.0"
+__all__ = ["PretrainedProLIP", "load", "ProLIP", "ProLIPConfig", "get_config", "__version__"]

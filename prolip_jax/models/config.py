@@ -179,14 +179,19 @@ _TEXT_KEYS = {"context_length", "vocab_size", "hf_tokenizer_name", "tokenizer_kw
               "no_causal_mask", "final_ln_after_pool", "pool_type", "proj_bias", "output_tokens",
               "act_kwargs", "norm_kwargs", "init_unc_bias", "hf_model_name",
               "hf_model_pretrained", "hf_proj_type", "hf_pooler_type"}
-# key -> allowed values (the reference default first). Anything else changes the architecture
-# in a way the ProLIP towers here (and the reference's ProLIP class) do not implement.
-_VISION_FIXED = {"embed_unc": (True,), "ls_init_value": (None,), "attentional_pool": (False,),
-                 "no_ln_pre": (False,), "pos_embed_type": ("learnable",), "pool_type": ("tok",),
-                 "output_tokens": (False,), "act_kwargs": (None,), "timm_model_name": (None,)}
-_TEXT_FIXED = {"embed_cls": (True,), "embed_unc": (True,), "no_causal_mask": (True,),
-               "proj_bias": (True,), "ls_init_value": (None,), "output_tokens": (False,),
-               "act_kwargs": (None,), "hf_model_name": (None,)}
+# key -> (the reference's default, values the port supports). Anything else changes the
+# architecture in a way the ProLIP towers (here and in the reference's ProLIP class) do not
+# implement. Note that the reference's *vision* default is embed_unc=False: a config.json
+# must say `"embed_unc": true` for the image tower to have an [UNC] token.
+_VISION_FIXED = {"embed_unc": (False, (True,)), "ls_init_value": (None, (None,)),
+                 "attentional_pool": (False, (False,)), "no_ln_pre": (False, (False,)),
+                 "pos_embed_type": ("learnable", ("learnable",)), "pool_type": ("tok", ("tok",)),
+                 "output_tokens": (False, (False,)), "act_kwargs": (None, (None,)),
+                 "timm_model_name": (None, (None,))}
+_TEXT_FIXED = {"embed_cls": (True, (True,)), "embed_unc": (True, (True,)),
+               "no_causal_mask": (True, (True,)), "proj_bias": (True, (True,)),
+               "ls_init_value": (None, (None,)), "output_tokens": (False, (False,)),
+               "act_kwargs": (None, (None,)), "hf_model_name": (None, (None,))}
 
 
 def _check_keys(where: str, d: Mapping[str, Any], known: set[str]) -> None:
@@ -196,9 +201,11 @@ def _check_keys(where: str, d: Mapping[str, Any], known: set[str]) -> None:
 
 
 def _check_supported(where: str, d: Mapping[str, Any], fixed: Mapping[str, tuple]) -> None:
-    for key, allowed in fixed.items():
-        if key in d and d[key] not in allowed:
-            raise ValueError(f"{where}.{key}={d[key]!r} is not supported by ProLIP (only {allowed[0]!r})")
+    for key, (default, allowed) in fixed.items():
+        value = d.get(key, default)
+        if value not in allowed:
+            given = f"{value!r}" if key in d else f"{value!r} (the reference default when absent)"
+            raise ValueError(f"{where}.{key}={given} is not supported by ProLIP: it must be {allowed[0]!r}")
 
 
 def _single(value: Any, where: str) -> int:
@@ -219,22 +226,22 @@ _SIGLIP_TEXT = {"vocab_size": 32100, "hf_tokenizer_name": "timm/ViT-B-16-SigLIP"
 VARIANTS: dict[str, dict[str, Any]] = {
     "B/16": {
         "embed_dim": 768, "init_logit_bias": -10,
-        "vision_cfg": {"image_size": 224, "layers": 12, "width": 768, "patch_size": 16},
+        "vision_cfg": {"embed_unc": True, "image_size": 224, "layers": 12, "width": 768, "patch_size": 16},
         "text_cfg": {**_SIGLIP_TEXT, "context_length": 64, "width": 768, "heads": 12, "layers": 12},
     },
     "B/16-long": {
         "embed_dim": 768, "init_logit_bias": -10,
-        "vision_cfg": {"image_size": 224, "layers": 12, "width": 768, "patch_size": 16},
+        "vision_cfg": {"embed_unc": True, "image_size": 224, "layers": 12, "width": 768, "patch_size": 16},
         "text_cfg": {**_SIGLIP_TEXT, "context_length": 256, "width": 768, "heads": 12, "layers": 12},
     },
     "L/16": {
         "embed_dim": 1024, "init_logit_bias": -10,
-        "vision_cfg": {"image_size": 256, "layers": 24, "width": 1024, "patch_size": 16},
+        "vision_cfg": {"embed_unc": True, "image_size": 256, "layers": 24, "width": 1024, "patch_size": 16},
         "text_cfg": {**_SIGLIP_TEXT, "context_length": 64, "width": 1024, "heads": 16, "layers": 24},
     },
     "So400m/14": {
         "embed_dim": 1152, "init_logit_bias": -10,
-        "vision_cfg": {"image_size": 224, "layers": 27, "width": 1152, "head_width": 72,
+        "vision_cfg": {"embed_unc": True, "image_size": 224, "layers": 27, "width": 1152, "head_width": 72,
                        "patch_size": 14, "mlp_ratio": 3.7362},
         "text_cfg": {**_SIGLIP_TEXT, "hf_tokenizer_name": "timm/ViT-SO400M-14-SigLIP",
                      "context_length": 64, "width": 1152, "heads": 16, "layers": 27,
@@ -242,7 +249,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
     "H/14": {
         "embed_dim": 1024, "quick_gelu": True, "init_logit_bias": -10,
-        "vision_cfg": {"image_size": 224, "layers": 32, "width": 1280, "head_width": 80,
+        "vision_cfg": {"embed_unc": True, "image_size": 224, "layers": 32, "width": 1280, "head_width": 80,
                        "patch_size": 14},
         # OpenAI BPE vocab, no hf_tokenizer_name, LayerNorm eps left at 1e-5.
         "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 1024, "heads": 16,
@@ -251,13 +258,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # Tiny sizes for tests and the CPU demo. "tiny" is the golden fixture's configuration.
     "tiny": {
         "embed_dim": 64, "init_logit_bias": -10,
-        "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "patch_size": 8, "head_width": 32},
+        "vision_cfg": {"embed_unc": True, "image_size": 32, "layers": 2, "width": 64, "patch_size": 8, "head_width": 32},
         "text_cfg": {**_SIGLIP_TEXT, "context_length": 16, "vocab_size": 1000, "width": 64,
                      "heads": 2, "layers": 2},
     },
     "micro": {
         "embed_dim": 32, "init_logit_bias": -10,
-        "vision_cfg": {"image_size": 16, "layers": 1, "width": 32, "patch_size": 8, "head_width": 16},
+        "vision_cfg": {"embed_unc": True, "image_size": 16, "layers": 1, "width": 32, "patch_size": 8, "head_width": 16},
         "text_cfg": {"context_length": 8, "vocab_size": 64, "width": 32, "heads": 2, "layers": 1,
                      "norm_kwargs": {"eps": 1e-6}},
     },

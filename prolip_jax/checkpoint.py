@@ -1,0 +1,94 @@
+"""The project's checkpoint format: an orbax `CheckpointManager` directory.
+
+    CKPT/                       a manager root: one sub-directory per step
+      <step>/params/            float32 model parameters (orbax StandardSave, any sharding)
+      <step>/config/            JSON: {"model": <reference config.json dict>, ...metadata}
+      <step>/...                the trainer adds its own items (optimizer state, data iterator)
+
+Everything needed to rebuild the model is inside (`params` + `config`), so `prolip_jax.load`,
+`scripts/convert_to_pytorch.py` and the evaluators take a CKPT path alone. A path to one
+step directory (`CKPT/<step>`) is accepted too. Orbax writes each step into a temporary
+directory and renames it when complete, so an interrupted save never looks like a checkpoint.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import orbax.checkpoint as ocp
+
+from prolip_jax.models.config import ProLIPConfig
+
+PARAMS = "params"
+CONFIG = "config"
+
+
+def save_params(directory: str | os.PathLike, params: Mapping[str, Any], config: ProLIPConfig,
+                step: int = 0, metadata: Mapping[str, Any] | None = None) -> Path:
+    """Writes a params-only checkpoint (what the converter produces) and waits for it."""
+    directory = Path(directory).absolute()
+    meta = {"model": config.to_dict(), **(metadata or {})}
+    with ocp.CheckpointManager(directory) as mngr:
+        mngr.save(step, args=ocp.args.Composite(**{
+            PARAMS: ocp.args.StandardSave(params), CONFIG: ocp.args.JsonSave(meta)}))
+        mngr.wait_until_finished()
+    return directory / str(step)
+
+
+def resolve(path: str | os.PathLike, step: int | None = None) -> tuple[Path, int]:
+    """(manager root, step) for a CKPT root (latest or given step) or a CKPT/<step> path."""
+    path = Path(path).absolute()
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if (path / PARAMS).is_dir() and path.name.isdigit():  # a single step directory
+        if step is not None and step != int(path.name):
+            raise ValueError(f"{path} is step {path.name}, but step={step} was asked for")
+        return path.parent, int(path.name)
+    steps = sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and (p / PARAMS).is_dir())
+    if not steps:
+        raise FileNotFoundError(f"{path} holds no complete checkpoint (expected <step>/{PARAMS}/ "
+                                "sub-directories as written by prolip_jax)")
+    if step is None:
+        return path, steps[-1]
+    if step not in steps:
+        raise FileNotFoundError(f"step {step} not in {path}; available: {steps}")
+    return path, step
+
+
+def load_config(path: str | os.PathLike, step: int | None = None) -> tuple[ProLIPConfig, dict, int]:
+    """(model config, the whole metadata dict, step) of a checkpoint, without reading params."""
+    root, step = resolve(path, step)
+    with ocp.CheckpointManager(root, item_names=(PARAMS, CONFIG)) as mngr:
+        meta = mngr.restore(step, args=ocp.args.Composite(**{CONFIG: ocp.args.JsonRestore()}))[CONFIG]
+    if "model" not in meta:
+        raise ValueError(f"{root / str(step) / CONFIG} has no 'model' entry (not a prolip_jax checkpoint?)")
+    return ProLIPConfig.from_dict(meta["model"]), dict(meta), step
+
+
+def load_params(path: str | os.PathLike, step: int | None = None,
+                sharding: jax.sharding.Sharding | Any | None = None) -> tuple[dict, ProLIPConfig, int]:
+    """(params, config, step). `sharding`: one Sharding for every leaf or a matching pytree of
+    them (restore onto any mesh); default: the first local device."""
+    from prolip_jax.models.prolip import abstract_params
+
+    config, _, step = load_config(path, step)
+    root, _ = resolve(path, step)
+    abstract = abstract_params(config)
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    if isinstance(sharding, jax.sharding.Sharding):
+        sharding = jax.tree.map(lambda _: sharding, abstract)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, sharding)
+    with ocp.CheckpointManager(root, item_names=(PARAMS, CONFIG)) as mngr:
+        restored = mngr.restore(step, args=ocp.args.Composite(**{PARAMS: ocp.args.StandardRestore(target)}))
+    return restored[PARAMS], config, step
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    try:
+        resolve(path)
+        return True
+    except (FileNotFoundError, ValueError):
+        return False
