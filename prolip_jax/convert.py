@@ -240,7 +240,7 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     try:
         with safe_open(str(path), framework="flax") as f:  # "flax" also reads bfloat16
             for k in f.keys():
-                out[k] = np.asarray(f.get_tensor(k), dtype=np.float32)
+                out[k] = np.array(f.get_tensor(k), dtype=np.float32)  # writable host copy
     except Exception as e:  # safetensors raises its own error types for corrupt headers
         raise ValueError(f"could not read {path} as safetensors: {e}") from e
     return out

@@ -1,0 +1,48 @@
+"""Shared fixtures: the golden reference fixture (tests/data/prolip_reference_tiny.npz)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+# Eight fake CPU devices for sharding tests, whoever runs pytest (make sets it too).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+DATA = Path(__file__).parent / "data"
+FIXTURE = DATA / "prolip_reference_tiny.npz"
+
+
+@pytest.fixture(scope="session")
+def golden():
+    """The reference fixture as a dict of numpy arrays (see data/prolip_reference_tiny.README.md)."""
+    with np.load(FIXTURE) as z:
+        return {k: z[k] for k in z.files}
+
+
+@pytest.fixture(scope="session")
+def golden_config(golden):
+    from prolip_jax.models import ProLIPConfig
+
+    return ProLIPConfig.from_dict(json.loads(str(golden["config_json"])))
+
+
+@pytest.fixture(scope="session")
+def golden_state_dict(golden):
+    return {k[len("sd/"):]: v for k, v in golden.items() if k.startswith("sd/")}
+
+
+@pytest.fixture(scope="session")
+def golden_params(golden_state_dict, golden_config):
+    from prolip_jax import convert
+
+    return convert.torch_to_flax(golden_state_dict, golden_config)
+
+
+def max_rel_err(actual, expected) -> float:
+    """max |a - e| / max |e|: the tolerance measure used throughout the parity tests."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30))

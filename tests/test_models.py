@@ -1,0 +1,190 @@
+"""Towers against the golden reference fixture (float32), variants, masking, axis names."""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import max_rel_err
+from prolip_jax.models import (VARIANTS, ProLIP, ProLIPConfig, abstract_params, count_params, get_config,
+                               init_params, mask_text_tokens, num_kept_patches, random_keep_indices)
+
+TOL = 1e-5  # max |a - e| / max |e| over each output array, float32
+
+
+def _nhwc(images_nchw):
+    return jnp.asarray(images_nchw.transpose(0, 2, 3, 1))
+
+
+@pytest.fixture(scope="module")
+def model(golden_config):
+    return ProLIP(golden_config, attention_impl="xla")
+
+
+def test_full_forward_matches_reference(model, golden, golden_params):
+    out = jax.jit(model.apply)({"params": golden_params}, _nhwc(golden["images_nchw"]), jnp.asarray(golden["texts"]))
+    for key in ("image_mean", "image_logvar", "text_mean", "text_logvar"):
+        assert max_rel_err(out[key], golden[key]) <= TOL, key
+    np.testing.assert_allclose(np.linalg.norm(out["image_mean"], axis=-1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(out["logit_scale"], golden["logit_scale_exp"], rtol=1e-6)
+    np.testing.assert_allclose(out["logit_bias"], golden["logit_bias"])
+
+
+def test_masked_forward_matches_reference(model, golden, golden_params):
+    out = model.apply({"params": golden_params}, _nhwc(golden["images_nchw"][:2]),
+                      jnp.asarray(golden["masked_texts"]), image_keep_idx=jnp.asarray(golden["image_keep_idx"]))
+    assert max_rel_err(out["image_mean"], golden["masked_image_mean"]) <= TOL
+    assert max_rel_err(out["image_logvar"], golden["masked_image_logvar"]) <= TOL
+    assert max_rel_err(out["text_mean"], golden["masked_text_mean"]) <= TOL
+    assert max_rel_err(out["text_logvar"], golden["masked_text_logvar"]) <= TOL
+
+
+def test_per_sample_keep_indices_equal_shared_ones(model, golden, golden_params):
+    """A [B, K] keep index with identical rows gives the shared-[K] result."""
+    images = _nhwc(golden["images_nchw"][:2])
+    keep = jnp.asarray(golden["image_keep_idx"])
+    shared = model.apply({"params": golden_params}, images, None, image_keep_idx=keep)
+    per_sample = model.apply({"params": golden_params}, images, None, image_keep_idx=jnp.stack([keep, keep]))
+    np.testing.assert_allclose(per_sample["image_mean"], shared["image_mean"], atol=1e-6)
+    # ... and different subsets give different outputs for the same image.
+    other = model.apply({"params": golden_params}, images, None,
+                        image_keep_idx=jnp.stack([keep, jnp.arange(4, 16)]))
+    np.testing.assert_allclose(other["image_mean"][0], shared["image_mean"][0], atol=1e-6)
+    assert np.abs(other["image_mean"][1] - shared["image_mean"][1]).max() > 1e-3
+
+
+def test_text_uncertainty_is_wired_from_projected_cls(model, golden, golden_params):
+    """REFERENCE §1.3: with W_u = 0 the text log sigma^2 equals b_u exactly; the image one does not."""
+    params = jax.tree.map(lambda x: x, golden_params)
+    params["text"]["text_uncertainty_projection"]["kernel"] = np.zeros_like(
+        params["text"]["text_uncertainty_projection"]["kernel"])
+    out = model.apply({"params": params}, None, jnp.asarray(golden["texts"]))
+    bias = params["text"]["text_uncertainty_projection"]["bias"]
+    np.testing.assert_array_equal(np.asarray(out["text_logvar"]), np.broadcast_to(bias, out["text_logvar"].shape))
+
+
+def test_no_attention_mask_pad_tokens_matter(model, golden, golden_params):
+    """Pad tokens take part in attention (no key-padding mask): changing a pad id changes the output."""
+    tokens = np.array(golden["texts"][:1])
+    pad_pos = int(np.where(tokens[0] == 1)[0][-1])
+    changed = tokens.copy()
+    changed[0, pad_pos] = 5
+    a = model.apply({"params": golden_params}, None, jnp.asarray(tokens))["text_mean"]
+    b = model.apply({"params": golden_params}, None, jnp.asarray(changed))["text_mean"]
+    assert np.abs(np.asarray(a) - np.asarray(b)).max() > 1e-4
+
+
+def test_b16_parameter_count():
+    params = abstract_params(get_config("B/16"))
+    assert count_params(params) == 197_923_586
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_variant_dicts_round_trip(name):
+    cfg = get_config(name)
+    assert ProLIPConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_variant_sizes_match_reference():
+    so = get_config("So400m/14")
+    assert (so.vision.heads, so.vision.mlp_dim, so.vision.num_patches) == (16, 4304, 256)
+    h = get_config("H/14")
+    assert h.quick_gelu and h.text.ln_eps == 1e-5 and h.vision.heads == 16 and h.text.context_length == 77
+    assert get_config("B/16").text.ln_eps == 1e-6 and get_config("B/16").vision.ln_eps == 1e-5
+    assert get_config("L/16").vision.num_patches == 256
+
+
+def test_init_values(golden_config):
+    params = init_params(golden_config, jax.random.key(0))
+    assert math.isclose(float(params["logit_scale"]), math.log(10.0), rel_tol=1e-6)  # the paper's a = 10
+    assert float(params["logit_bias"]) == -10.0
+    np.testing.assert_array_equal(params["visual"]["uncertainty_proj"]["bias"], -10.0)
+    np.testing.assert_array_equal(params["text"]["text_uncertainty_projection"]["bias"], -10.0)
+    # Fresh model: log sigma^2 starts near the -10 bias.
+    cfg = golden_config.replace(init_logit_scale=math.log(1 / 0.07))
+    params = init_params(cfg, jax.random.key(0))
+    assert math.isclose(float(params["logit_scale"]), math.log(1 / 0.07), rel_tol=1e-6)
+
+
+def test_every_parameter_has_logical_axis_names(golden_config):
+    model = ProLIP(golden_config)
+    boxed = jax.eval_shape(lambda r: model.init(r, jnp.zeros((1, 32, 32, 3)), jnp.ones((1, 16), jnp.int32)),
+                           jax.random.key(0))["params"]
+    leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+    assert leaves and all(isinstance(x, nn.LogicallyPartitioned) for x in leaves)
+    for leaf in leaves:
+        assert len(leaf.names) == len(leaf.value.shape)
+        named = [n for n in leaf.names if n is not None]
+        assert len(named) == len(set(named)), leaf.names  # one mesh axis per name at most
+
+
+def test_bfloat16_compute_keeps_float32_params_and_outputs(golden_config, golden, golden_params):
+    model = ProLIP(golden_config, dtype=jnp.bfloat16, attention_impl="xla")
+    out = model.apply({"params": golden_params}, _nhwc(golden["images_nchw"]), jnp.asarray(golden["texts"]))
+    assert out["image_mean"].dtype == jnp.float32 and out["text_logvar"].dtype == jnp.float32
+    # bf16 has an 8-bit mantissa: loose agreement only.
+    assert max_rel_err(out["image_mean"], golden["image_mean"]) < 0.05
+    assert max_rel_err(out["text_logvar"], golden["text_logvar"]) < 0.05
+
+
+def test_remat_gives_same_gradients(golden_config, golden, golden_params):
+    images, tokens = _nhwc(golden["images_nchw"][:2]), jnp.asarray(golden["texts"][:2])
+
+    def grads(remat):
+        m = ProLIP(golden_config, remat=remat, attention_impl="xla")
+        return jax.grad(lambda p: m.apply({"params": p}, images, tokens)["image_logvar"].sum())(golden_params)
+
+    a, b = grads("none"), grads("full")
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+
+
+def test_bad_inputs_raise(model, golden_params):
+    with pytest.raises(ValueError, match=r"expected images \[B, 32, 32, 3\]"):
+        model.apply({"params": golden_params}, jnp.zeros((1, 3, 32, 32)), None)
+    with pytest.raises(ValueError, match="exceeds context_length 16"):
+        model.apply({"params": golden_params}, None, jnp.ones((1, 17), jnp.int32))
+
+
+def test_config_errors_are_clear():
+    with pytest.raises(ValueError, match="unknown key"):
+        ProLIPConfig.from_dict({"embed_dim": 8, "vision_cfg": {"embed_unc": True, "bogus": 1}})
+    with pytest.raises(ValueError, match="vision_cfg.embed_unc=False"):
+        ProLIPConfig.from_dict({"embed_dim": 768, "vision_cfg": {}, "text_cfg": {}})
+    with pytest.raises(ValueError, match="no_causal_mask"):
+        ProLIPConfig.from_dict({"vision_cfg": {"embed_unc": True}, "text_cfg": {"no_causal_mask": False}})
+    with pytest.raises(ValueError, match="must equal embed_dim"):
+        get_config("B/16", embed_dim=512)
+    with pytest.raises(ValueError, match="unknown model variant"):
+        get_config("B/17")
+
+
+def test_keep_indices():
+    idx = random_keep_indices(jax.random.key(0), 196, 0.75)
+    assert idx.shape == (147,) and idx.dtype == jnp.int32  # int(196 * 0.75), REFERENCE §2.6
+    assert np.all(np.diff(np.asarray(idx)) > 0) and idx.max() < 196
+    per = random_keep_indices(jax.random.key(0), 16, 0.75, batch=4)
+    assert per.shape == (4, 12) and np.all(np.diff(np.asarray(per), axis=-1) > 0)
+    assert len({tuple(r) for r in np.asarray(per)}) > 1
+    assert num_kept_patches(16, 1.0) == 16
+    with pytest.raises(ValueError):
+        num_kept_patches(16, 0.01)
+
+
+def test_mask_text_tokens_never_touches_protected_ids():
+    tokens = jnp.asarray(np.random.default_rng(0).integers(2, 900, size=(64, 32)), jnp.int32)
+    tokens = tokens.at[:, 20:].set(1)  # pad == EOS == 1 tail
+    masked = np.asarray(mask_text_tokens(jax.random.key(1), tokens, mask_id=999, prob=0.75))
+    tokens = np.asarray(tokens)
+    np.testing.assert_array_equal(masked[:, 20:], 1)
+    changed = masked[:, :20] != tokens[:, :20]
+    assert np.all(masked[:, :20][changed] == 999)
+    assert 0.70 < changed.mean() < 0.80  # 1280 Bernoulli(0.75) draws
+    none = np.asarray(mask_text_tokens(jax.random.key(1), jnp.asarray(tokens), 999, prob=0.0))
+    np.testing.assert_array_equal(none, tokens)
+    clip = np.asarray(mask_text_tokens(jax.random.key(2), jnp.asarray(tokens), 999, 1.0, protected_ids=(1, 5)))
+    assert np.all((clip == 999) | (tokens == 1) | (tokens == 5))
