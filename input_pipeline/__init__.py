@@ -1,0 +1,1 @@
+"""Input pipeline: grain sources, image/text transforms, tokenizers, demo data."""
