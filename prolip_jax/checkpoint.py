@@ -12,6 +12,7 @@ directory and renames it when complete, so an interrupted save never looks like 
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -92,3 +93,51 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
         return True
     except (FileNotFoundError, ValueError):
         return False
+
+
+# ----------------------------------------------------------------------------------------
+# The trainer's checkpoints: the same directory layout plus optimiser, counters and data.
+# ----------------------------------------------------------------------------------------
+OPT_STATE = "opt_state"
+COUNTERS = "counters"
+DATA = "data"
+TRAIN_ITEMS = (PARAMS, OPT_STATE, COUNTERS, CONFIG, DATA)
+
+
+def save_train_state(mngr: ocp.CheckpointManager, step: int, state: Any, model_config: ProLIPConfig,
+                     train_config: Any, data: Any, force: bool = False) -> None:
+    """Asynchronous save of params, optimiser state, counters, config and the data position."""
+    import grain
+
+    from prolip_jax.data import StateSnapshot
+
+    meta = {"model": model_config.to_dict(), "train_config": json.loads(train_config.to_json_best_effort())}
+    mngr.save(step, force=force, args=ocp.args.Composite(**{
+        PARAMS: ocp.args.StandardSave(state.params),
+        OPT_STATE: ocp.args.StandardSave(state.opt_state),
+        COUNTERS: ocp.args.StandardSave({"step": state.step, "skipped": state.skipped}),
+        CONFIG: ocp.args.JsonSave(meta),
+        DATA: grain.checkpoint.CheckpointSave(StateSnapshot.of(data)),
+    }))
+
+
+def restore_train_state(mngr: ocp.CheckpointManager, step: int, abstract: Any, data: Any) -> Any:
+    """The train state at `step`, placed as `abstract` (a TrainState of ShapeDtypeStructs with
+    shardings: any mesh); `data` is moved to the position it had when that step was saved."""
+    import grain
+
+    from prolip_jax.data import StateSnapshot
+
+    snapshot = StateSnapshot()
+    restored = mngr.restore(step, args=ocp.args.Composite(**{
+        PARAMS: ocp.args.StandardRestore(abstract.params),
+        OPT_STATE: ocp.args.StandardRestore(abstract.opt_state),
+        COUNTERS: ocp.args.StandardRestore({"step": abstract.step, "skipped": abstract.skipped}),
+        DATA: grain.checkpoint.CheckpointRestore(snapshot),
+    }))
+    snapshot.restore_into(data)
+    counters = restored[COUNTERS]
+    if int(counters["step"]) != step:
+        raise ValueError(f"checkpoint {step} holds step counter {int(counters['step'])}")
+    return type(abstract)(step=counters["step"], params=restored[PARAMS], opt_state=restored[OPT_STATE],
+                           skipped=counters["skipped"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -132,7 +133,8 @@ def num_masked(batch: int, fraction: float) -> int:
 
 def prolip_loss(out: dict[str, jax.Array], masked: dict[str, jax.Array] | None = None,
                 masked_rows: jax.Array | None = None,
-                config: LossConfig = LossConfig()) -> tuple[jax.Array, dict[str, jax.Array]]:
+                config: LossConfig = LossConfig(),
+                ppcl_fn: Callable | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The ProLIP objective. Returns (total, terms), each term already weighted.
 
     out: model outputs for the batch: `image_mean`, `image_logvar`, `text_mean`, `text_logvar`
@@ -141,10 +143,13 @@ def prolip_loss(out: dict[str, jax.Array], masked: dict[str, jax.Array] | None =
       original-in-masked terms.
     masked_rows: int [M], which rows of `out` were masked; the reference masks the first M
       (default). The trainer spreads them over the data shards.
+    ppcl_fn: replaces `ppcl_loss` (same signature), e.g. the ring implementation whose memory
+      per device is O(b_local^2) (`ring_loss.py`); same value.
     """
     c = config
     im, il, tm, tl = out["image_mean"], out["image_logvar"], out["text_mean"], out["text_logvar"]
-    terms = {"ppcl": c.ppcl_weight * ppcl_loss(im, il, tm, tl, out["logit_scale"], out["logit_bias"])}
+    ppcl = ppcl_fn or ppcl_loss
+    terms = {"ppcl": c.ppcl_weight * ppcl(im, il, tm, tl, out["logit_scale"], out["logit_bias"])}
     inc = dict(eps=c.inclusion_eps, scale=c.inclusion_scale, threshold=c.inclusion_threshold)
     if masked is not None:
         m = masked["image_mean"].shape[0]

@@ -1,0 +1,108 @@
+"""The trainer's view of the data: this host's batches, a checkpointable position, skip counts.
+
+`build_train_data(config, model_config)` returns the grain pipeline of `input_pipeline` (tar,
+ArrayRecord, tfds, demo) or, with `data.source = "random"`, `RandomBatches`: random pixels and
+tokens that need no files, drawn for the *global* batch from (seed, step) and sliced to this
+host's rows, so a run gives the same global batches on any number of hosts.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jax
+import numpy as np
+
+
+class RandomBatches:
+    """{"image": float32 [B/P, S, S, 3], "text": int32 [B/P, L]} for this host, with the
+    input pipeline's iterator interface (next, get_state/set_state, stats, close)."""
+
+    def __init__(self, global_batch: int, image_size: int, context_length: int, vocab_size: int,
+                 seed: int = 0, pad_id: int = 1, process_index: int | None = None,
+                 process_count: int | None = None):
+        self.process_index = jax.process_index() if process_index is None else process_index
+        self.process_count = jax.process_count() if process_count is None else process_count
+        if global_batch % self.process_count:
+            raise ValueError(f"batch {global_batch} is not divisible by {self.process_count} hosts")
+        self.global_batch, self.image_size = global_batch, image_size
+        self.context_length, self.vocab_size, self.seed, self.pad_id = context_length, vocab_size, seed, pad_id
+        self.position = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng([self.seed, self.position])
+        b, s, length = self.global_batch, self.image_size, self.context_length
+        images = rng.standard_normal((b, s, s, 3), dtype=np.float32)
+        tokens = rng.integers(2, self.vocab_size, size=(b, length), dtype=np.int32)
+        lengths = rng.integers(1, length + 1, size=b)
+        tokens[np.arange(length)[None, :] >= lengths[:, None]] = self.pad_id  # pad == EOS tail
+        self.position += 1
+        rows = slice(self.process_index * b // self.process_count, (self.process_index + 1) * b // self.process_count)
+        return {"image": images[rows], "text": tokens[rows]}
+
+    def get_state(self) -> dict[str, Any]:
+        return {"position": self.position, "seed": self.seed, "global_batch": self.global_batch}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if (state["seed"], state["global_batch"]) != (self.seed, self.global_batch):
+            raise ValueError(f"random data state {state} does not match seed {self.seed}, "
+                             f"batch {self.global_batch}")
+        self.position = int(state["position"])
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {"batches": self.position, "skipped": 0}
+
+    def close(self) -> None:
+        pass
+
+
+class StateSnapshot:
+    """The iterator position frozen at save time, for grain's orbax checkpoint handler.
+
+    Orbax saves asynchronously; handing it the live iterator would record wherever the
+    iterator has moved on to by then. The handler calls `get_state()` (bytes) on save and
+    `set_state(bytes)` + `start_prefetch()` on restore.
+    """
+
+    def __init__(self, state: bytes | None = None):
+        self.state = state
+
+    @classmethod
+    def of(cls, iterator: Any) -> "StateSnapshot":
+        return cls(json.dumps(iterator.get_state()).encode())
+
+    def get_state(self) -> bytes:
+        return self.state
+
+    def set_state(self, state: bytes) -> None:
+        self.state = state
+
+    def start_prefetch(self) -> None:
+        pass
+
+    def restore_into(self, iterator: Any) -> None:
+        iterator.set_state(json.loads(self.state.decode()))
+
+
+def build_train_data(config, model_config) -> Any:
+    """This host's training batches for `config` (see configs/)."""
+    d = config.data
+    if d.source == "random":
+        return RandomBatches(config.batch_size, d.image_size, model_config.text.context_length,
+                             model_config.text.vocab_size, seed=config.seed)
+    from input_pipeline.pipeline import build_train_iterator
+
+    data_cfg = {k: v for k, v in d.to_dict().items()}
+    data_cfg["batch_size"] = config.batch_size
+    data_cfg.setdefault("seed", config.seed)
+    if data_cfg.get("tokenizer") and not data_cfg["tokenizer"].get("path") and d.source != "demo":
+        raise ValueError(f"data.source={d.source!r} needs data.tokenizer.path (a tokenizer file; "
+                         "see input_pipeline/tokenizers.py for the kinds and where files come from)")
+    if d.source == "demo":
+        data_cfg.pop("tokenizer", None)
+        data_cfg["demo"] = {"context_length": model_config.text.context_length, **data_cfg.get("demo", {})}
+    return build_train_iterator(data_cfg)

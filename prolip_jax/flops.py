@@ -1,0 +1,157 @@
+"""Analytic FLOPs of a ProLIP training step, peak FLOP/s per device kind, and MFU.
+
+What is counted (the usual MFU convention, PaLM appendix B / MaxText): matrix-multiply FLOPs
+only, 2*m*n*k per [m, k] @ [k, n]; LayerNorm, GELU, softmax, residual adds, the losses'
+elementwise terms and the text embedding lookup (a gather) count 0. Rematerialisation does not
+add FLOPs here: this is model FLOPs, not hardware FLOPs.
+
+One tower forward on `b` samples, `t` tokens, width `d`, MLP width `m`, `L` blocks, output E:
+
+    per block      qkv 3*2btd^2 + scores 2bt^2d + weighted sum 2bt^2d + out 2btd^2 + MLP 2*2btdm
+    vision extra   patch embedding 2*b*N*(3p^2)*d  (on all N patches, even in the masked
+                   forward: `vit.py` embeds every patch, then gathers the kept ones)
+                   + proj 2bdE + uncertainty_proj 2bdE
+    text extra     text_projection 2bdE + text_uncertainty_projection 2bE^2
+
+Tokens: vision t = N + 2 ([CLS], [UNC]); masked vision t = int(N * keep_ratio) + 2; text
+t = L_text + 2 ([UNC], [CLS]), the masked text forward keeps the full length (masked tokens
+are replaced in place, REFERENCE §2.6).
+
+A training step on global batch B with M = int(B * masked_fraction) masked samples:
+
+    3 * (forward(B) + masked_forward(M) + 2*B*B*E)
+
+the last term being the PPCL logits mu_img @ mu_txt^T; x3 because the backward pass costs two
+matmuls per forward matmul (gradients w.r.t. the input and w.r.t. the weight).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from prolip_jax.models.config import ProLIPConfig, TextConfig, VisionConfig
+
+
+# --------------------------------------------------------------------------- per-component counts
+def block_flops(batch: int, tokens: int, width: int, mlp_dim: int) -> dict[str, float]:
+    """Matmul FLOPs of one pre-norm residual block (forward) by component.
+
+    heads * head_dim == width, so the per-head attention matmuls sum to the width.
+    """
+    b, t, d, m = batch, tokens, width, mlp_dim
+    return {
+        "qkv": 3 * 2.0 * b * t * d * d,
+        "attn_scores": 2.0 * b * t * t * d,   # q @ k^T, all heads
+        "attn_values": 2.0 * b * t * t * d,   # softmax(scores) @ v
+        "attn_out": 2.0 * b * t * d * d,
+        "mlp": 2 * 2.0 * b * t * d * m,       # c_fc and c_proj
+    }
+
+
+def vision_forward_flops(config: VisionConfig, embed_dim: int, batch: int,
+                         keep_ratio: float | None = None) -> dict[str, float]:
+    """Vision tower forward on `batch` images; keep_ratio=None is the full (unmasked) forward."""
+    c = config
+    kept = c.num_patches if keep_ratio is None else int(c.num_patches * keep_ratio)
+    blocks = block_flops(batch, kept + 2, c.width, c.mlp_dim)
+    return {
+        "patch_embed": 2.0 * batch * c.num_patches * (3 * c.patch_size ** 2) * c.width,
+        "blocks": c.layers * sum(blocks.values()),
+        "proj": 2.0 * batch * c.width * embed_dim,
+        "uncertainty_proj": 2.0 * batch * c.width * embed_dim,
+    }
+
+
+def text_forward_flops(config: TextConfig, embed_dim: int, batch: int,
+                       length: int | None = None) -> dict[str, float]:
+    """Text tower forward on `batch` sequences of `length` tokens (default context_length)."""
+    c = config
+    length = c.context_length if length is None else length
+    blocks = block_flops(batch, length + 2, c.width, c.mlp_dim)
+    return {
+        "embedding": 0.0,  # a gather, no multiply-adds
+        "blocks": c.layers * sum(blocks.values()),
+        "text_projection": 2.0 * batch * c.width * embed_dim,
+        # Applied to the projected [CLS] embedding (REFERENCE §1.3): E -> E.
+        "text_uncertainty_projection": 2.0 * batch * embed_dim * embed_dim,
+    }
+
+
+# ------------------------------------------------------------------------------- model and step
+def forward_flops(config: ProLIPConfig, batch: int, text_length: int | None = None,
+                  image_keep_ratio: float | None = None) -> float:
+    """Matmul FLOPs of one two-tower forward (`ProLIP.__call__`) on `batch` image-text pairs."""
+    v = vision_forward_flops(config.vision, config.embed_dim, batch, image_keep_ratio)
+    t = text_forward_flops(config.text, config.embed_dim, batch, text_length)
+    return sum(v.values()) + sum(t.values())
+
+
+def train_step_flops(config: ProLIPConfig, global_batch: int, masked_fraction: float = 0.125,
+                     image_keep_ratio: float = 0.75, text_length: int | None = None,
+                     num_masked: int | None = None) -> float:
+    """FLOPs of one optimizer step on `global_batch` pairs (all devices together).
+
+    num_masked overrides int(global_batch * masked_fraction) when the trainer rounds per shard.
+    """
+    if num_masked is None:
+        num_masked = int(global_batch * masked_fraction)
+    fwd = forward_flops(config, global_batch, text_length)
+    if num_masked > 0:
+        fwd += forward_flops(config, num_masked, text_length, image_keep_ratio)
+    fwd += 2.0 * global_batch * global_batch * config.embed_dim  # PPCL logits [B, B]
+    return 3.0 * fwd
+
+
+# ------------------------------------------------------------------------------- peaks and MFU
+# Dense (no sparsity) peak matmul FLOP/s per chip from vendor datasheets, keyed by a lower-case
+# substring of `jax.devices()[0].device_kind`; the first match wins, so specific keys go first.
+# Columns: 16-bit (bf16/fp16), float32. NVIDIA float32 is the TF32 tensor-core peak, because
+# XLA:GPU's default matmul precision runs f32 dots in TF32 on Ampere and later. On TPU the
+# default precision runs f32 matmuls as one bf16 pass, so the bf16 peak is used for both.
+_PEAKS: tuple[tuple[str, float, float], ...] = (
+    ("h100 pcie", 756e12, 378e12),
+    ("h100 nvl", 835e12, 418e12),
+    ("h100", 989e12, 494e12),      # SXM: "NVIDIA H100 80GB HBM3"
+    ("h200", 989e12, 494e12),      # "NVIDIA H200", also matches "NVIDIA GH200 480GB"
+    ("a100", 312e12, 156e12),      # "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe", ...
+    ("tpu v6 lite", 918e12, 918e12),  # v6e (Trillium)
+    ("tpu v5 lite", 197e12, 197e12),  # v5e
+    ("tpu v5p", 459e12, 459e12),
+    ("tpu v5", 459e12, 459e12),    # v5p reports "TPU v5" on some runtimes
+    ("tpu v4", 275e12, 275e12),
+    ("tpu v3", 123e12, 123e12),
+)
+
+
+def peak_flops_per_device(device_kind: str, dtype: Any) -> float | None:
+    """Peak dense matmul FLOP/s of one device for compute `dtype`, or None if unknown (CPU).
+
+    device_kind as JAX reports it, e.g. "NVIDIA H100 80GB HBM3", "TPU v5 lite", "cpu".
+    """
+    name = jnp.dtype(dtype).name
+    if name in ("bfloat16", "float16"):
+        column = 1
+    elif name == "float32":
+        column = 2
+    else:
+        return None
+    kind = device_kind.lower()
+    for key, *peaks in _PEAKS:
+        if key in kind:
+            return peaks[column - 1]
+    return None
+
+
+def tflops_per_device(flops_per_step: float, step_time_s: float, n_devices: int) -> float:
+    """Achieved TFLOP/s per device (model FLOPs, see the module docstring)."""
+    return flops_per_step / (step_time_s * n_devices) / 1e12
+
+
+def mfu(flops_per_step: float, step_time_s: float, n_devices: int, device_kind: str,
+        dtype: Any) -> float | None:
+    """Model FLOPs utilisation in [0, 1]: achieved FLOP/s over the devices' peak; None if unknown."""
+    peak = peak_flops_per_device(device_kind, dtype)
+    if peak is None or step_time_s <= 0:
+        return None
+    return flops_per_step / (step_time_s * n_devices * peak)

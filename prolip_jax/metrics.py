@@ -1,0 +1,247 @@
+"""What the user sees during training: `metrics.jsonl`, TensorBoard scalars and a stdout line.
+
+`MetricWriter.write(step, {"loss": ..., ...})` (called every `log_steps` by the trainer):
+
+* appends `{"step": N, "loss": ..., ...}` as one line to `WORKDIR/metrics.jsonl`, flushed at
+  once. Non-finite values are written as JSON `null` (NaN/inf are not valid JSON) and the key
+  is kept, so a NaN loss is visible and every line has the same keys.
+* writes each value as a TensorBoard scalar into `WORKDIR/tb/` through tensorboardX (no
+  TensorFlow needed); non-finite values go to TensorBoard unchanged (it plots them as gaps).
+* prints `[  1200/78800   1.5%] ETA 3h12m | loss 1.234 | lr 5e-04 ...` to stdout, the ETA
+  from the wall time per step over the last `eta_window` writes (the interval before the
+  first write, which holds compilation, is never part of it).
+
+Resume: `resume_step=N` drops the lines of an earlier run with step >= N (the file is
+rewritten atomically, so a crash cannot lose the good lines) and asks TensorBoard to purge
+its events with step >= N, so steps logged again after a restart appear once.
+
+Only the chief (process 0) writes; other processes get a writer whose methods do nothing.
+Remote workdirs ("gs://..."): metrics.jsonl goes through fsspec (gcsfs for gs://) and is
+rewritten whole on every write, since object stores cannot append; the event files go through
+tensorboardX's own GCS/S3 writers (google-cloud-storage / boto3 must be installed).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import struct
+import sys
+import time
+from typing import Any, Callable, Mapping, TextIO
+
+import numpy as np
+
+JSONL_NAME = "metrics.jsonl"
+TB_DIR = "tb"
+
+
+def _to_number(value: Any) -> int | float:
+    """Python int/float from a Python, numpy or jax scalar (a 0-d or size-1 array)."""
+    arr = np.asarray(value)
+    if arr.size != 1:
+        raise ValueError(f"metric values must be scalars, got shape {arr.shape}")
+    item = arr.reshape(()).item()
+    if isinstance(item, bool):
+        return int(item)
+    if isinstance(item, int):
+        return item
+    return float(item)
+
+
+def _json_value(x: int | float) -> int | float | None:
+    return x if isinstance(x, int) or math.isfinite(x) else None
+
+
+def format_duration(seconds: float) -> str:
+    """'3h12m', '4m05s', '12s'; days as '2d03h'."""
+    s = int(round(max(seconds, 0.0)))
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    if d:
+        return f"{d}d{h:02d}h"
+    if h:
+        return f"{h}h{m:02d}m"
+    if m:
+        return f"{m}m{s:02d}s"
+    return f"{s}s"
+
+
+def _is_remote(path: str) -> bool:
+    return "://" in path
+
+
+class MetricWriter:
+    """Metric sink for the trainer; see the module docstring. Use as a context manager or close()."""
+
+    def __init__(self, workdir: str, total_steps: int, is_chief: bool = True, resume_step: int = 0,
+                 eta_window: int = 20, stream: TextIO | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        """workdir: local path or fsspec URL; total_steps: for progress and ETA; resume_step: the
+        first step this run logs (earlier lines with step >= resume_step are dropped); stream:
+        where the progress line goes (default sys.stdout); clock: seconds, injectable for tests."""
+        self.total_steps = int(total_steps)
+        self.is_chief = is_chief
+        self._stream = stream
+        self._clock = clock
+        self._times: collections.deque[tuple[int, float]] = collections.deque(maxlen=max(eta_window, 2))
+        self._tb = None
+        self._file = None
+        self._remote_lines: list[str] | None = None
+        if not is_chief:
+            return
+        self.path = workdir.rstrip("/") + "/" + JSONL_NAME
+        kept = self._load_lines_before(resume_step)
+        if _is_remote(workdir):
+            self._remote_lines = kept
+            self._rewrite_remote()
+        else:
+            os.makedirs(workdir, exist_ok=True)
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                f.writelines(kept)
+            os.replace(tmp, self.path)  # atomic: either the old or the filtered file exists
+            self._file = open(self.path, "a")
+        from tensorboardX import SummaryWriter  # deferred: non-chief processes never need it
+
+        # purge_step makes TensorBoard drop the earlier run's events with step >= resume_step.
+        # The suffix keeps a restart within the same second (tensorboardX names files by whole
+        # seconds and opens them with "wb") from overwriting the earlier file, and sorts after it.
+        self._tb = SummaryWriter(workdir.rstrip("/") + "/" + TB_DIR,
+                                 purge_step=resume_step if resume_step > 0 else None,
+                                 filename_suffix=f".{time.time_ns()}")
+
+    # ------------------------------------------------------------------------------ jsonl files
+    def _load_lines_before(self, resume_step: int) -> list[str]:
+        """Lines of an existing metrics.jsonl with step < resume_step; torn lines are dropped."""
+        text = ""
+        if _is_remote(self.path):
+            import fsspec
+
+            fs, path = fsspec.core.url_to_fs(self.path)
+            if fs.exists(path):
+                with fs.open(path, "r") as f:
+                    text = f.read()
+        elif os.path.exists(self.path):
+            with open(self.path) as f:
+                text = f.read()
+        kept = []
+        for line in text.splitlines():
+            try:
+                keep = int(json.loads(line)["step"]) < resume_step
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a crash mid-write
+            if keep:
+                kept.append(line + "\n")
+        return kept
+
+    def _rewrite_remote(self) -> None:
+        import fsspec
+
+        with fsspec.open(self.path, "w") as f:
+            f.writelines(self._remote_lines)
+
+    # ---------------------------------------------------------------------------------- writing
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Log `metrics` (name -> scalar) for `step` to all three sinks."""
+        if not self.is_chief:
+            return
+        if self._tb is None:
+            raise RuntimeError("MetricWriter.write() after close()")
+        if "step" in metrics:
+            raise ValueError("'step' is reserved for the step number; rename the metric")
+        step = int(step)
+        values = {name: _to_number(v) for name, v in metrics.items()}
+
+        line = json.dumps({"step": step, **{k: _json_value(v) for k, v in values.items()}},
+                          allow_nan=False) + "\n"
+        if self._file is not None:
+            self._file.write(line)
+            self._file.flush()
+        else:
+            self._remote_lines.append(line)
+            self._rewrite_remote()
+
+        for name, v in values.items():
+            self._tb.add_scalar(name, v, global_step=step)
+        self._tb.flush()
+
+        self._times.append((step, self._clock()))
+        print(self.progress_line(step, values), file=self._stream or sys.stdout, flush=True)
+
+    def seconds_per_step(self) -> float | None:
+        """Wall seconds per step over the last `eta_window` writes; None before two writes."""
+        if len(self._times) < 2:
+            return None
+        (s0, t0), (s1, t1) = self._times[0], self._times[-1]
+        return (t1 - t0) / (s1 - s0) if s1 > s0 else None
+
+    def progress_line(self, step: int, values: Mapping[str, int | float]) -> str:
+        total = max(self.total_steps, 1)
+        width = len(str(self.total_steps))
+        sps = self.seconds_per_step()
+        eta = "?" if sps is None else format_duration(sps * max(self.total_steps - step, 0))
+        parts = [f"[{step:>{width}d}/{self.total_steps} {100.0 * step / total:5.1f}%] ETA {eta}"]
+        parts += [f"{k} {v}" if isinstance(v, int) else f"{k} {v:.4g}" for k, v in values.items()]
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------------------ reading back
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """All records of a metrics.jsonl (null stays None)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def read_tensorboard_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
+    """Scalars of every event file in `logdir`: tag -> [(step, value), ...] in file order.
+
+    A TF-free reader of the TFRecord framing (u64 length, u32 masked crc, data, u32 masked
+    crc), with both checksums verified, decoding tensorboardX's Event protos. Applies
+    TensorBoard's purge rule: a SessionLog START at step T (written for `resume_step`) drops
+    the events read so far with step >= T.
+    """
+    from tensorboardX.record_writer import masked_crc32c
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list[tuple[int, float]]] = collections.defaultdict(list)
+    for name in sorted(os.listdir(logdir)):
+        if "tfevents" not in name:
+            continue
+        with open(os.path.join(logdir, name), "rb") as f:
+            data = f.read()
+        pos = 0
+        while pos + 12 <= len(data):
+            header = data[pos:pos + 8]
+            (length,) = struct.unpack("<Q", header)
+            (crc,) = struct.unpack("<I", data[pos + 8:pos + 12])
+            if crc != masked_crc32c(header):
+                raise ValueError(f"{name}: corrupt record header at byte {pos}")
+            body = data[pos + 12:pos + 12 + length]
+            (body_crc,) = struct.unpack("<I", data[pos + 12 + length:pos + 16 + length])
+            if body_crc != masked_crc32c(body):
+                raise ValueError(f"{name}: corrupt record at byte {pos}")
+            pos += 16 + length
+            event = event_pb2.Event.FromString(body)
+            if event.HasField("session_log") and event.session_log.status == event.session_log.START:
+                for tag in scalars:
+                    scalars[tag] = [(s, v) for s, v in scalars[tag] if s < event.step]
+            for value in event.summary.value:
+                scalars[value.tag].append((event.step, value.simple_value))
+    return dict(scalars)

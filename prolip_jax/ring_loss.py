@@ -1,0 +1,177 @@
+"""Global-batch PPCL on a device mesh: dense sharded logits or a ppermute ring (issue 4, §3).
+
+Both give exactly `losses.ppcl_loss` of the gathered batch: -sum log sigmoid(z_ij l_ij) over
+all B x B pairs / B_global, z = +1 on the global diagonal and -1 elsewhere. This is the
+intended loss of REFERENCE §2.7, not the reference ring, which for even world sizes skips the
+opposite rank's texts and counts another block twice.
+
+- "dense" (`ppcl_loss_sharded`): `losses.ppcl_loss` under jit with the batch sharded; the
+  compiler gathers the texts and row-shards the [B, B] logits: O(b * B) memory per device.
+- "ring" (`ppcl_loss_ring`): `shard_map`; each device keeps its b = B / n images and texts,
+  scores its own [b, b] block (the positives), then passes the text block around the ring
+  n - 1 times with `ppermute`, adding negative-only [b, b] blocks: O(b^2 + b D) per device.
+  Plain autodiff of the loop would stack all n blocks' residuals (O(b * B) again), so the
+  backward pass is a second ring (custom_vjp) that recomputes each block and carries the text
+  gradients along with the text block back to their owner.
+
+Usage (see `make_ppcl_loss`): `fn = make_ppcl_loss("ring", mesh)` has the signature of
+`losses.ppcl_loss` and can be used inside the jitted train step.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from prolip_jax import losses
+
+IMPLS = ("dense", "ring")
+DEFAULT_BATCH_AXES = ("data", "fsdp")
+PPCLFn = Callable[..., jax.Array]  # (img_mu, img_logvar, txt_mu, txt_logvar, scale, bias) -> []
+
+
+def mesh_batch_axes(mesh: Mesh, batch_axes: str | Sequence[str] = DEFAULT_BATCH_AXES) -> tuple[str, ...]:
+    """The axes of `batch_axes` present in `mesh`, in order; the others replicate the loss."""
+    names = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    return tuple(a for a in names if a in mesh.axis_names)
+
+
+def _check_batch(img_mu: jax.Array, txt_mu: jax.Array, n: int) -> None:
+    if img_mu.shape[0] != txt_mu.shape[0]:
+        raise ValueError(f"PPCL needs paired batches, got {img_mu.shape[0]} images, {txt_mu.shape[0]} texts")
+    if img_mu.shape[0] % n:
+        raise ValueError(f"global batch {img_mu.shape[0]} does not divide over {n} batch shards")
+
+
+# ------------------------------------------------------------------------------------ dense
+def ppcl_loss_sharded(img_mu: jax.Array, img_logvar: jax.Array, txt_mu: jax.Array, txt_logvar: jax.Array,
+                      scale: jax.Array, bias: jax.Array, mesh: Mesh,
+                      batch_axes: str | Sequence[str] = DEFAULT_BATCH_AXES) -> jax.Array:
+    """Option (a): `losses.ppcl_loss` on [B, D] inputs constrained to rows over `batch_axes`."""
+    axes = mesh_batch_axes(mesh, batch_axes)
+    _check_batch(img_mu, txt_mu, math.prod(mesh.shape[a] for a in axes))
+    rows = NamedSharding(mesh, P(axes or None))
+    im, il, tm, tl = (jax.lax.with_sharding_constraint(x, rows) for x in (img_mu, img_logvar, txt_mu, txt_logvar))
+    return losses.ppcl_loss(im, il, tm, tl, scale, bias)
+
+
+# ------------------------------------------------------------------------------------- ring
+def _block_loss(img_mu: jax.Array, img_tr: jax.Array, txt_mu: jax.Array, txt_tr: jax.Array,
+                scale: jax.Array, bias: jax.Array, diagonal: bool) -> jax.Array:
+    """-sum log sigmoid(z * logits) of one block: mu [b, D], tr = sum exp(logvar) [b].
+
+    Same arithmetic as `losses.ppcl_logits`; z = 2I - 1 on the own block, else all -1.
+    """
+    logits = scale * (img_mu @ txt_mu.T - (img_tr[:, None] + txt_tr[None, :]) / 2.0) + bias
+    if diagonal:
+        labels = 2.0 * jnp.eye(logits.shape[0], dtype=logits.dtype) - 1.0
+        return -jnp.sum(jax.nn.log_sigmoid(labels * logits))
+    return -jnp.sum(jax.nn.log_sigmoid(-logits))
+
+
+def _shift(x, axes: tuple[str, ...], n: int):
+    """Send a pytree from ring position i to i + 1 (positions flatten `axes`, row-major)."""
+    return jax.lax.ppermute(x, axes, perm=[(i, (i + 1) % n) for i in range(n)])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ring_sum(axes: tuple[str, ...], n: int, img_mu, img_tr, txt_mu, txt_tr, scale, bias) -> jax.Array:
+    """This device's share of the pair sum: its b images x all B texts. Runs inside shard_map."""
+    def body(_, carry):
+        t_mu, t_tr, total = carry
+        t_mu, t_tr = _shift((t_mu, t_tr), axes, n)  # after k hops: the block of position i - k
+        return t_mu, t_tr, total + _block_loss(img_mu, img_tr, t_mu, t_tr, scale, bias, False)
+
+    own = _block_loss(img_mu, img_tr, txt_mu, txt_tr, scale, bias, True)
+    return jax.lax.fori_loop(1, n, body, (txt_mu, txt_tr, own))[2]
+
+
+def _ring_sum_fwd(axes, n, *args):
+    return _ring_sum(axes, n, *args), args  # residuals are the local [b, D] inputs only
+
+
+def _ring_sum_bwd(axes, n, res, g):
+    img_mu, img_tr, txt_mu, txt_tr, scale, bias = res
+
+    def block_grads(t_mu, t_tr, diagonal):
+        # Recompute one block and pull back g: 6 cotangents (img_mu, img_tr, t_mu, t_tr, scale, bias).
+        f = functools.partial(_block_loss, diagonal=diagonal)
+        return jax.vjp(f, img_mu, img_tr, t_mu, t_tr, scale, bias)[1](g)
+
+    def body(_, carry):
+        t_mu, t_tr, dt, acc = carry
+        # The text gradients travel with their block, so each device adds its image rows' share.
+        t_mu, t_tr, dt = _shift((t_mu, t_tr, dt), axes, n)
+        gi_mu, gi_tr, gt_mu, gt_tr, gs, gb = block_grads(t_mu, t_tr, False)
+        dt = (dt[0] + gt_mu, dt[1] + gt_tr)
+        acc = jax.tree.map(jnp.add, acc, (gi_mu, gi_tr, gs, gb))
+        return t_mu, t_tr, dt, acc
+
+    gi_mu, gi_tr, gt_mu, gt_tr, gs, gb = block_grads(txt_mu, txt_tr, True)
+    _, _, dt, (di_mu, di_tr, ds, db) = jax.lax.fori_loop(
+        1, n, body, (txt_mu, txt_tr, (gt_mu, gt_tr), (gi_mu, gi_tr, gs, gb)))
+    # Position i now holds the gradient of block i + 1 (n - 1 hops back): one more hop home.
+    dt_mu, dt_tr = _shift(dt, axes, n)
+    return di_mu, di_tr, dt_mu, dt_tr, ds, db
+
+
+_ring_sum.defvjp(_ring_sum_fwd, _ring_sum_bwd)
+
+
+def ppcl_loss_ring(img_mu: jax.Array, img_logvar: jax.Array, txt_mu: jax.Array, txt_logvar: jax.Array,
+                   scale: jax.Array, bias: jax.Array, mesh: Mesh,
+                   batch_axes: str | Sequence[str] = DEFAULT_BATCH_AXES) -> jax.Array:
+    """Option (b): `losses.ppcl_loss` of the global batch, computed on a ring over `batch_axes`.
+
+    img_mu, img_logvar, txt_mu, txt_logvar: [B, D], rows sharded (or resharded here) over the
+    batch axes of `mesh` present in `batch_axes`; several axes form one ring over their
+    flattened product, other mesh axes (e.g. "tensor") compute the same value redundantly.
+    scale (a = exp(logit_scale)), bias (b): scalars, replicated. Returns the scalar loss.
+    """
+    axes = mesh_batch_axes(mesh, batch_axes)
+    n = math.prod(mesh.shape[a] for a in axes)
+    _check_batch(img_mu, txt_mu, n)
+    if n == 1:
+        return losses.ppcl_loss(img_mu, img_logvar, txt_mu, txt_logvar, scale, bias)
+
+    def local(im, il, tm, tl, s, c):
+        # Traces before the ring: a [b] vector travels instead of the [b, D] logvar block.
+        it, tt = jnp.sum(jnp.exp(il), -1), jnp.sum(jnp.exp(tl), -1)
+        # Make a, b device-varying so their pullback is psum'd once, outside the ring.
+        s, c = jax.lax.pcast((s, c), axes, to="varying")
+        return jax.lax.psum(_ring_sum(axes, n, im, it, tm, tt, s, c), axes)
+
+    rows = P(axes)
+    total = jax.shard_map(local, mesh=mesh, in_specs=(rows,) * 4 + (P(), P()), out_specs=P())(
+        img_mu, img_logvar, txt_mu, txt_logvar, jnp.asarray(scale), jnp.asarray(bias))
+    return total / img_mu.shape[0]  # REFERENCE §2.7: all pairs / B_global
+
+
+# ------------------------------------------------------------------------------- dispatch
+def global_ppcl_loss(impl: str, img_mu: jax.Array, img_logvar: jax.Array, txt_mu: jax.Array,
+                     txt_logvar: jax.Array, scale: jax.Array, bias: jax.Array, mesh: Mesh | None = None,
+                     batch_axes: str | Sequence[str] = DEFAULT_BATCH_AXES) -> jax.Array:
+    """PPCL by `impl` in IMPLS; with no mesh, "dense" is plain `losses.ppcl_loss` (single device)."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown PPCL implementation {impl!r}; use one of {IMPLS}")
+    args = (img_mu, img_logvar, txt_mu, txt_logvar, scale, bias)
+    if mesh is None:
+        if impl == "ring":
+            raise ValueError("impl='ring' needs the mesh")
+        return losses.ppcl_loss(*args)
+    fn = ppcl_loss_ring if impl == "ring" else ppcl_loss_sharded
+    return fn(*args, mesh=mesh, batch_axes=batch_axes)
+
+
+def make_ppcl_loss(impl: str = "dense", mesh: Mesh | None = None,
+                   batch_axes: str | Sequence[str] = DEFAULT_BATCH_AXES) -> PPCLFn:
+    """A function with `losses.ppcl_loss`'s signature, for `prolip_loss(..., ppcl_fn=...)`."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown PPCL implementation {impl!r}; use one of {IMPLS}")
+    if impl == "ring" and mesh is None:
+        raise ValueError("impl='ring' needs the mesh")
+    return functools.partial(global_ppcl_loss, impl, mesh=mesh, batch_axes=batch_axes)

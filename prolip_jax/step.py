@@ -1,0 +1,241 @@
+"""The train state, its sharded initialisation and the jitted ProLIP train step.
+
+One step (paper §3.3, REFERENCE §2.1 and §2.6): the full forward on the global batch, the masked
+forward on the masked sub-batch (the first `int(G * fraction)` rows of every group of G = 8
+consecutive rows: 64 of each 512-row shard as the reference masks 12.5% of each GPU's batch, but
+a set that does not depend on the mesh; images keep one shared random subset of patches, text
+tokens other than pad/EOS become [MASK] with prob p), the ProLIP loss with
+global-batch semantics, the AdamW update, then `logit_scale` clamped to [0, ln 100]. A step whose
+loss or gradients are not finite leaves params and optimiser state unchanged.
+
+Gradient accumulation over k microbatches uses gradient caching (Gao et al. 2021): PPCL couples
+every pair of the global batch, so summing per-microbatch losses would change the objective.
+Instead the features of all microbatches are computed first (no activations kept), the loss and
+its gradient w.r.t. the features are taken on the whole batch, and each microbatch's forward is
+re-run to pull that feature gradient back to the parameters. The result equals the one-batch
+gradient exactly (no dropout, no batch statistics) for one microbatch's activation memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from prolip_jax import losses, sharding
+from prolip_jax.models.prolip import ProLIP, dummy_inputs, mask_text_tokens, num_kept_patches
+from prolip_jax.optim import clamp_logit_scale
+
+FEATURES = ("image_mean", "image_logvar", "text_mean", "text_logvar")
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 []: batches consumed (a skipped non-finite step counts too)
+    params: Any
+    opt_state: Any
+    skipped: jax.Array  # int32 []: total updates skipped for a non-finite loss or gradient
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    loss: losses.LossConfig = losses.LossConfig()
+    masked_fraction: float = 0.125  # of every group of `mask_group` consecutive rows
+    mask_group: int = 8  # must divide the rows per data shard
+    image_keep_ratio: float = 0.75  # the reference's `drop_prob` is a *keep* ratio for images
+    text_mask_prob: float = 0.75
+    mask_token_id: int = 32000  # `<extra_id_99>` in the SigLIP vocab
+    protected_ids: tuple[int, ...] = (1,)  # pad == EOS
+    microbatches: int = 1
+    seed: int = 0
+    ppcl_impl: str = "dense"  # "dense" (B x B sharded logits) or "ring" (shard_map + ppermute)
+
+
+# --------------------------------------------------------------------------------- state
+def create_train_state(model: ProLIP, tx: optax.GradientTransformation, mesh: Mesh, rules: Any,
+                       seed: int) -> tuple[TrainState, TrainState]:
+    """(state, state shardings): parameters are created already sharded (jit with out_shardings)."""
+    shardings = state_shardings(model, tx, mesh, rules)
+    state = jax.jit(_init_fn(model, tx), out_shardings=shardings)(jax.random.key(seed))
+    return state, shardings
+
+
+def _init_fn(model: ProLIP, tx: optax.GradientTransformation) -> Callable[[jax.Array], TrainState]:
+    images, tokens = dummy_inputs(model.config)
+
+    def init(rng):
+        params = nn.unbox(model.init(rng, images, tokens)["params"])
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                          skipped=jnp.zeros((), jnp.int32))
+
+    return init
+
+
+def abstract_train_state(model: ProLIP, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
+    """ShapeDtypeStructs of the train state carrying `shardings` (the target of a restore)."""
+    shapes = jax.eval_shape(_init_fn(model, tx), jax.random.key(0))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+def state_shardings(model: ProLIP, tx: optax.GradientTransformation, mesh: Mesh, rules: Any) -> TrainState:
+    images, tokens = dummy_inputs(model.config)
+    boxed = jax.eval_shape(lambda r: model.init(r, images, tokens)["params"], jax.random.key(0))
+    param_sh = sharding.logical_shardings(boxed, mesh, rules)
+    replicated = NamedSharding(mesh, P())
+    abstract_opt = jax.eval_shape(tx.init, nn.unbox(boxed))
+    opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_sh,
+                                   transform_non_params=lambda _: replicated)
+    return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, skipped=replicated)
+
+
+# ------------------------------------------------------------------------- batch layout
+def group_rows(x: jax.Array, group: int, rows: int) -> jax.Array:
+    """The first `rows` rows of every group of `group` consecutive rows of x [B, ...].
+
+    Groups never straddle data shards (group divides the rows per shard), so this is local."""
+    b = x.shape[0]
+    return x.reshape(b // group, group, *x.shape[1:])[:, :rows].reshape(b // group * rows, *x.shape[1:])
+
+
+def split_microbatches(x: jax.Array, n_shards: int, k: int) -> jax.Array:
+    """[B, ...] -> [k, B/k, ...], microbatch i holding rows of every shard (keeps all devices busy)."""
+    b = x.shape[0]
+    x = x.reshape(n_shards, k, b // (n_shards * k), *x.shape[1:])
+    return jnp.swapaxes(x, 0, 1).reshape(k, b // k, *x.shape[3:])
+
+
+def merge_microbatches(x: jax.Array, n_shards: int) -> jax.Array:
+    """Inverse of `split_microbatches`: [k, B/k, ...] -> [B, ...]."""
+    k, bk = x.shape[:2]
+    x = x.reshape(k, n_shards, bk // n_shards, *x.shape[2:])
+    return jnp.swapaxes(x, 0, 1).reshape(k * bk, *x.shape[3:])
+
+
+def check_batch_layout(global_batch: int, n_shards: int, cfg: StepConfig) -> None:
+    """Raises ValueError (before anything compiles) if the batch cannot be laid out as asked."""
+    problems = []
+    if global_batch % n_shards:
+        problems.append(f"global batch {global_batch} is not divisible by the {n_shards} data shards")
+    else:
+        b_shard = global_batch // n_shards
+        m_group = losses.num_masked(cfg.mask_group, cfg.masked_fraction)
+        if b_shard % cfg.mask_group:
+            problems.append(f"rows per data shard ({b_shard}) must be a multiple of mask_group ({cfg.mask_group})")
+        elif b_shard % cfg.microbatches or (b_shard // cfg.mask_group * m_group) % cfg.microbatches:
+            problems.append(f"rows per data shard ({b_shard}) and its masked rows "
+                            f"({b_shard // cfg.mask_group * m_group}) must divide into {cfg.microbatches} microbatches")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+# ---------------------------------------------------------------------------- the step
+def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: Callable, cfg: StepConfig,
+                    mesh: Mesh, global_batch: int) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+    """Returns `train_step(state, batch) -> (state, metrics)` (not yet jitted).
+
+    batch: {"image": float [B, H, W, 3], "text": int [B, L]}, B = global_batch sharded over the
+    mesh's batch axes.
+    """
+    n_shards = sharding.num_batch_shards(mesh)
+    check_batch_layout(global_batch, n_shards, cfg)
+    g = cfg.mask_group
+    m_group = losses.num_masked(g, cfg.masked_fraction)
+    k = cfg.microbatches
+    num_patches = model.config.vision.num_patches
+    masked_rows = (jnp.arange(global_batch // g)[:, None] * g + jnp.arange(m_group)[None]).reshape(-1)
+    ppcl = _ppcl_fn(cfg.ppcl_impl, mesh)
+
+    def features(params, images, tokens, keep_idx=None):
+        out = model.apply({"params": params}, images, tokens, image_keep_idx=keep_idx)
+        return {key: out[key] for key in FEATURES}
+
+    def loss_from_features(feats, mfeats, logit_scale, logit_bias):
+        out = {**feats, "logit_scale": jnp.exp(logit_scale), "logit_bias": logit_bias}
+        return losses.prolip_loss(out, mfeats, masked_rows if m_group else None, cfg.loss, ppcl_fn=ppcl)
+
+    def grads_one_batch(params, images, tokens, m_images, m_tokens, keep_idx):
+        def total(p):
+            f = features(p, images, tokens)
+            mf = features(p, m_images, m_tokens, keep_idx) if m_group else None
+            loss, terms = loss_from_features(f, mf, p["logit_scale"], p["logit_bias"])
+            return loss, (terms, f)
+        (loss, (terms, f)), grads = jax.value_and_grad(total, has_aux=True)(params)
+        return loss, terms, f, grads
+
+    def grads_cached(params, images, tokens, m_images, m_tokens, keep_idx):
+        split = lambda x: split_microbatches(x, n_shards, k)  # noqa: E731
+        merge = lambda x: merge_microbatches(x, n_shards)  # noqa: E731
+        chunks = (split(images), split(tokens))
+        f = jax.tree.map(merge, jax.lax.map(lambda xs: features(params, *xs), chunks))
+        if m_group:
+            m_chunks = (split(m_images), split(m_tokens))
+            mf = jax.tree.map(merge, jax.lax.map(lambda xs: features(params, *xs, keep_idx), m_chunks))
+        else:
+            mf = None
+        (loss, terms), (g_f, g_mf, g_scale, g_bias) = jax.value_and_grad(
+            loss_from_features, argnums=(0, 1, 2, 3), has_aux=True)(f, mf, params["logit_scale"], params["logit_bias"])
+
+        def pull_back(acc, xs, keep=None):
+            imgs, toks, g = xs
+            _, vjp = jax.vjp(lambda p: features(p, imgs, toks, keep), params)
+            return jax.tree.map(jnp.add, acc, vjp(g)[0]), None
+
+        grads = jax.tree.map(jnp.zeros_like, params)
+        grads, _ = jax.lax.scan(pull_back, grads, (*chunks, jax.tree.map(split, g_f)))
+        if m_group:
+            grads, _ = jax.lax.scan(lambda a, xs: pull_back(a, xs, keep_idx), grads,
+                                    (*m_chunks, jax.tree.map(split, g_mf)))
+        grads = {**grads, "logit_scale": grads["logit_scale"] + g_scale, "logit_bias": grads["logit_bias"] + g_bias}
+        return loss, terms, f, grads
+
+    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        images, tokens = batch["image"], batch["text"]
+        rng_img, rng_txt = jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), state.step))
+        m_images = group_rows(images, g, m_group)
+        m_tokens = mask_text_tokens(rng_txt, group_rows(tokens, g, m_group), cfg.mask_token_id,
+                                    cfg.text_mask_prob, cfg.protected_ids)
+        # One subset of patches shared by the masked sub-batch, as the reference draws it.
+        keep_idx = jnp.sort(jax.random.permutation(rng_img, num_patches)[
+            :num_kept_patches(num_patches, cfg.image_keep_ratio)])
+        grad_fn = grads_one_batch if k == 1 else grads_cached
+        loss, terms, f, grads = grad_fn(state.params, images, tokens, m_images, m_tokens, keep_idx)
+
+        finite = jnp.isfinite(loss) & jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = clamp_logit_scale(optax.apply_updates(state.params, updates))
+        keep_new = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        new_state = TrainState(step=state.step + 1, params=keep_new(params, state.params),
+                               opt_state=keep_new(opt_state, state.opt_state),
+                               skipped=state.skipped + (~finite).astype(jnp.int32))
+        metrics = {
+            "loss": loss, **{f"loss/{name}": v for name, v in terms.items()},
+            "a": jnp.exp(state.params["logit_scale"]), "b": state.params["logit_bias"],
+            "sigma2/image": jnp.mean(jnp.exp(f["image_logvar"])), "sigma2/text": jnp.mean(jnp.exp(f["text_logvar"])),
+            "lr": schedule(_opt_count(state.opt_state)), "grad_norm": optax.global_norm(grads),
+            "nonfinite": (~finite).astype(jnp.int32),
+        }
+        return new_state, metrics
+
+    return train_step
+
+
+def _opt_count(opt_state: Any) -> jax.Array:
+    """The schedule's update count (it does not advance on skipped steps)."""
+    is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+    states = [s for s in jax.tree.leaves(opt_state, is_leaf=is_sched) if is_sched(s)]
+    return states[0].count if states else jnp.zeros((), jnp.int32)
+
+
+def _ppcl_fn(impl: str, mesh: Mesh) -> Callable | None:
+    if impl == "dense":
+        return None  # losses.ppcl_loss on the sharded arrays; XLA shards the B x B logits
+    if impl == "ring":
+        from prolip_jax.ring_loss import ppcl_loss_ring
+
+        return lambda *args: ppcl_loss_ring(*args, mesh=mesh, batch_axes=sharding.batch_axes(mesh))
+    raise ValueError(f"unknown ppcl_impl {impl!r}; use 'dense' or 'ring'")

@@ -1,0 +1,229 @@
+r"""The ProLIP trainer: one file, read top to bottom.
+
+    python -m prolip_jax.train --config configs/tiny.py --workdir /tmp/prolip_tiny [--config.x=y ...]
+
+Runs on CPU (1..N devices), GPU and TPU. Multi-host: `jax.distributed.initialize()` is called
+on TPU pods and under SLURM (auto-detected), or with explicit `--coordinator_address`,
+`--num_processes`, `--process_id`. A workdir holding a checkpoint resumes by itself (params,
+optimiser, step and the data iterator's position); SIGTERM saves a checkpoint and exits cleanly.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from prolip_jax import checkpoint as ckpt_lib
+from prolip_jax import flops as flops_lib
+from prolip_jax import losses, optim, sharding
+from prolip_jax import step as step_lib
+from prolip_jax.data import RandomBatches, StateSnapshot, build_train_data
+from prolip_jax.metrics import MetricWriter
+from prolip_jax.models import ProLIP, ProLIPConfig, get_config
+
+
+# =====================================================================================
+# Configuration: everything is checked before anything compiles.
+# =====================================================================================
+def model_config(config) -> ProLIPConfig:
+    m = config.model
+    if m.get("config_json"):
+        path = Path(m.config_json)
+        if not path.is_file():
+            raise FileNotFoundError(f"model.config_json={path} does not exist")
+        cfg = ProLIPConfig.from_dict(json.loads(path.read_text()))
+    else:
+        cfg = get_config(m.variant)
+    return cfg.replace(init_logit_scale=float(m.init_logit_scale))
+
+
+def step_config(config) -> step_lib.StepConfig:
+    lc, mk = config.loss, config.masking
+    loss = losses.LossConfig(
+        ppcl_weight=lc.ppcl_weight, vib_beta=lc.vib_beta, alpha_image_text=lc.alpha_image_text,
+        alpha_masked=lc.alpha_masked, inclusion_eps=lc.inclusion_eps, inclusion_scale=lc.inclusion_scale,
+        vib_form=lc.vib_form)
+    return step_lib.StepConfig(
+        loss=loss, masked_fraction=mk.fraction, mask_group=mk.group, image_keep_ratio=mk.image_keep_ratio,
+        text_mask_prob=mk.text_mask_prob, mask_token_id=mk.mask_token_id, protected_ids=tuple(mk.protected_ids),
+        microbatches=config.microbatches, seed=config.seed, ppcl_impl=lc.ppcl_impl)
+
+
+def validate(config, mesh, mcfg: ProLIPConfig) -> None:
+    """Clear errors for a config that cannot run (batch layout, sizes, data paths)."""
+    if config.total_steps <= 0:
+        raise ValueError(f"total_steps must be positive, got {config.total_steps}")
+    step_lib.check_batch_layout(config.batch_size, sharding.num_batch_shards(mesh), step_config(config))
+    if config.batch_size % jax.process_count():
+        raise ValueError(f"batch_size {config.batch_size} is not divisible by {jax.process_count()} hosts")
+    if config.data.image_size != mcfg.vision.image_size:
+        raise ValueError(f"data.image_size={config.data.image_size} but the model expects "
+                         f"{mcfg.vision.image_size} px images")
+    if not 0 <= config.masking.mask_token_id < mcfg.text.vocab_size:
+        raise ValueError(f"masking.mask_token_id={config.masking.mask_token_id} is outside the model's "
+                         f"vocabulary of {mcfg.text.vocab_size}")
+    if config.loss.ppcl_impl not in ("dense", "ring"):
+        raise ValueError(f"loss.ppcl_impl must be 'dense' or 'ring', got {config.loss.ppcl_impl!r}")
+
+
+def maybe_initialize_distributed(coordinator_address: str | None, num_processes: int | None,
+                                 process_id: int | None) -> None:
+    """Explicit flags win; otherwise auto-detect TPU pods and SLURM jobs of more than one task."""
+    if coordinator_address:
+        if jax.default_backend() == "cpu" or os.environ.get("JAX_PLATFORMS", "") == "cpu":
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    elif int(os.environ.get("SLURM_NTASKS", "1")) > 1 or "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
+        jax.distributed.initialize()
+
+
+# =====================================================================================
+# Training.
+# =====================================================================================
+def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str, Any]:
+    """Trains (or resumes) in `workdir`. Returns the last logged metrics.
+
+    stop_at_step: behave as if preempted (SIGTERM) when that step is reached; for tests.
+    """
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    is_chief = jax.process_index() == 0
+
+    # ---- Mesh, model, optimiser -------------------------------------------------------
+    mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
+    mcfg = model_config(config)
+    validate(config, mesh, mcfg)
+    scfg = step_config(config)
+    model = ProLIP(mcfg, dtype=jnp.dtype(config.model.dtype), attention_impl=config.model.attention_impl,
+                   remat=config.model.remat)
+    tx, schedule = optim.make_optimizer(config.optim.to_dict(), config.total_steps)
+    state_sh = step_lib.state_shardings(model, tx, mesh, config.sharding_rules)
+
+    # ---- Data ----------------------------------------------------------------------------
+    data = build_train_data(config, mcfg)
+
+    # ---- Checkpoints: resume if the workdir has one -------------------------------------
+    mngr = ocp.CheckpointManager(
+        (workdir / "checkpoints").absolute(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True,
+                                             enable_async_checkpointing=True),
+        item_names=ckpt_lib.TRAIN_ITEMS)
+    start = mngr.latest_step()
+    if start is None:
+        state, _ = step_lib.create_train_state(model, tx, mesh, config.sharding_rules, config.seed)
+        start = 0
+    else:
+        abstract = step_lib.abstract_train_state(model, tx, state_sh)
+        state = ckpt_lib.restore_train_state(mngr, start, abstract, data)
+        if is_chief:
+            print(f"resumed from {workdir / 'checkpoints' / str(start)} (step {start})", flush=True)
+
+    train_step = jax.jit(step_lib.make_train_step(model, tx, schedule, scfg, mesh, config.batch_size),
+                         in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0)
+
+    # ---- What the user sees ----------------------------------------------------------------
+    writer = MetricWriter(str(workdir), config.total_steps, is_chief=is_chief, resume_step=start + 1)
+    m_count = config.batch_size // scfg.mask_group * losses.num_masked(scfg.mask_group, scfg.masked_fraction)
+    step_flops = flops_lib.train_step_flops(mcfg, config.batch_size, image_keep_ratio=scfg.image_keep_ratio,
+                                            num_masked=m_count)
+    device_kind = jax.devices()[0].device_kind
+    preempted = {"flag": False}
+    previous_handler = signal.signal(signal.SIGTERM, lambda *_: preempted.update(flag=True))
+
+    def save(step: int, force: bool = False) -> None:
+        ckpt_lib.save_train_state(mngr, step, state, mcfg, config, data, force=force)
+
+    # ---- The loop --------------------------------------------------------------------------
+    last_metrics: dict[str, Any] = {}
+    prev_metrics = None
+    in_a_row = 0
+    t_log, step_log = time.time(), start
+    step = start
+    try:
+        while step < config.total_steps:
+            batch = sharding.global_batch(next(data), mesh)
+            state, metrics = train_step(state, batch)
+            step += 1
+            # Read the previous step's flag: the device keeps working on this one meanwhile.
+            if prev_metrics is not None:
+                in_a_row = in_a_row + 1 if int(prev_metrics["nonfinite"]) else 0
+            prev_metrics = metrics
+            if in_a_row >= config.max_nonfinite_in_a_row:
+                raise FloatingPointError(
+                    f"{in_a_row} steps in a row had a non-finite loss or gradient (step {step}); stopping. "
+                    f"The last good checkpoint is kept in {workdir / 'checkpoints'}.")
+            if step % config.log_steps == 0 or step == config.total_steps:
+                values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                dt = (time.time() - t_log) / max(step - step_log, 1)
+                t_log, step_log = time.time(), step
+                values.update({
+                    "step_time_s": dt, "samples_per_s": config.batch_size / dt,
+                    "samples_per_s_per_device": config.batch_size / dt / jax.device_count(),
+                    "tflops_per_device": flops_lib.tflops_per_device(step_flops, dt, jax.device_count()),
+                    "skipped_updates": int(state.skipped),
+                    **{f"data/{k}": v for k, v in data.stats.items()},
+                })
+                mfu = flops_lib.mfu(step_flops, dt, jax.device_count(), device_kind, model.dtype)
+                if mfu is not None:
+                    values["mfu"] = mfu
+                writer.write(step, values)
+                last_metrics = values
+            if step % config.checkpoint_steps == 0 and step < config.total_steps:
+                save(step)
+            if step == stop_at_step:
+                preempted["flag"] = True
+            if preempted["flag"] or mngr.reached_preemption(step):
+                save(step, force=True)
+                mngr.wait_until_finished()
+                if is_chief:
+                    print(f"preempted: saved step {step}; rerun the same command to resume", flush=True)
+                return last_metrics
+        if mngr.latest_step() != step:
+            save(step, force=True)
+        mngr.wait_until_finished()
+        return last_metrics
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+        mngr.wait_until_finished()
+        mngr.close()
+        writer.close()
+        data.close()
+
+
+# =====================================================================================
+# Command line.
+# =====================================================================================
+def main(argv=None) -> None:
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    config_flag = config_flags.DEFINE_config_file("config", None, "configs/<name>.py[:args]", lock_config=True)
+    flags.DEFINE_string("workdir", None, "checkpoints, metrics.jsonl and TensorBoard events go here")
+    flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host without auto-detection)")
+    flags.DEFINE_integer("num_processes", None, "number of processes (with --coordinator_address)")
+    flags.DEFINE_integer("process_id", None, "this process's index (with --coordinator_address)")
+    flags.mark_flags_as_required(["config", "workdir"])
+
+    def _main(_):
+        f = flags.FLAGS
+        maybe_initialize_distributed(f.coordinator_address, f.num_processes, f.process_id)
+        try:
+            train(config_flag.value, f.workdir)
+        except (ValueError, FileNotFoundError, FloatingPointError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    app.run(_main, argv=argv)
+
+
+if __name__ == "__main__":
+    main()
