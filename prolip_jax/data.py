@@ -99,6 +99,9 @@ def build_train_data(config, model_config) -> Any:
     data_cfg = {k: v for k, v in d.to_dict().items()}
     data_cfg["batch_size"] = config.batch_size
     data_cfg.setdefault("seed", config.seed)
+    if d.source in ("tar", "array_record") and not d.path:
+        raise ValueError(f"data.source={d.source!r} needs data.path (files, globs or a brace pattern such "
+                         "as 'shards/{00000..00009}.tar')")
     if data_cfg.get("tokenizer") and not data_cfg["tokenizer"].get("path") and d.source != "demo":
         raise ValueError(f"data.source={d.source!r} needs data.tokenizer.path (a tokenizer file; "
                          "see input_pipeline/tokenizers.py for the kinds and where files come from)")

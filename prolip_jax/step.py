@@ -216,7 +216,7 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
             "loss": loss, **{f"loss/{name}": v for name, v in terms.items()},
             "a": jnp.exp(state.params["logit_scale"]), "b": state.params["logit_bias"],
             "sigma2/image": jnp.mean(jnp.exp(f["image_logvar"])), "sigma2/text": jnp.mean(jnp.exp(f["text_logvar"])),
-            "lr": schedule(_opt_count(state.opt_state)), "grad_norm": optax.global_norm(grads),
+            "lr": schedule(_opt_count(state.opt_state)), "grad_norm": optax.tree.norm(grads),
             "nonfinite": (~finite).astype(jnp.int32),
         }
         return new_state, metrics

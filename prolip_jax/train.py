@@ -58,8 +58,34 @@ def step_config(config) -> step_lib.StepConfig:
         microbatches=config.microbatches, seed=config.seed, ppcl_impl=lc.ppcl_impl)
 
 
+# The fields a trainer config has (configs/*.py); `data` is checked by input_pipeline.DataConfig.
+FIELDS = {
+    "": {"seed", "total_steps", "batch_size", "model", "data", "loss", "masking", "optim", "microbatches",
+         "mesh", "sharding_rules", "log_steps", "checkpoint_steps", "keep_checkpoints",
+         "max_nonfinite_in_a_row", "evals"},
+    "model": {"variant", "config_json", "dtype", "remat", "attention_impl", "init_logit_scale"},
+    "loss": {"ppcl_weight", "vib_beta", "alpha_image_text", "alpha_masked", "inclusion_eps", "inclusion_scale",
+             "vib_form", "ppcl_impl"},
+    "masking": {"fraction", "group", "image_keep_ratio", "text_mask_prob", "mask_token_id", "protected_ids"},
+    "optim": {"lr", "warmup_steps", "b1", "b2", "eps", "weight_decay", "clip_norm", "end_lr"},
+    "mesh": {"shape", "axes"},
+}
+
+
+def check_fields(config) -> None:
+    for section, known in FIELDS.items():
+        keys = set((config[section] if section else config).keys())
+        missing, unknown = sorted(known - keys), sorted(keys - known)
+        where = f"config.{section}" if section else "config"
+        if unknown:
+            raise ValueError(f"unknown field(s) {unknown} in {where}; known: {sorted(known)}")
+        if missing:
+            raise ValueError(f"{where} lacks field(s) {missing}")
+
+
 def validate(config, mesh, mcfg: ProLIPConfig) -> None:
     """Clear errors for a config that cannot run (batch layout, sizes, data paths)."""
+    check_fields(config)
     if config.total_steps <= 0:
         raise ValueError(f"total_steps must be positive, got {config.total_steps}")
     step_lib.check_batch_layout(config.batch_size, sharding.num_batch_shards(mesh), step_config(config))
@@ -222,7 +248,12 @@ def main(argv=None) -> None:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
 
-    app.run(_main, argv=argv)
+    try:
+        app.run(_main, argv=argv)
+    except (AttributeError, KeyError) as e:  # ml_collections: an override of a field that does not exist
+        print(f"error: unknown config field {e} in a --config.* override; the fields are those of the "
+              "config file's get_config()", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,11 @@ import pytest
 # Eight fake CPU devices for sharding tests, whoever runs pytest (make sets it too).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Identical programs (a resumed run, a re-created train step) are compiled once per session:
+# compilation dominates the run time of these tiny models on CPU.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    os.environ.get("TMPDIR", "/tmp"), f"prolip_jax_test_cache_{os.getuid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 DATA = Path(__file__).parent / "data"
 FIXTURE = DATA / "prolip_reference_tiny.npz"

@@ -1,0 +1,145 @@
+"""The sharded train step: every mesh and k microbatches give the one-device step (float32).
+
+Tolerance: relative error <= 1e-5 on the loss and on every updated parameter, except the
+attention *key* biases: softmax is invariant to them, so their true gradient is exactly zero
+and what reaches them is float rounding noise, which Adam's first step scales to +-lr whatever
+its size. For those we check that the gradient really is noise-sized.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from prolip_jax import losses, optim, sharding
+from prolip_jax import step as S
+from prolip_jax.models import ProLIP, get_config
+
+B = 32
+CFG = S.StepConfig(masked_fraction=0.5, mask_group=4, mask_token_id=63,
+                   loss=losses.LossConfig(alpha_image_text=1e-3))
+OPTIM = dict(lr=1e-3, warmup_steps=2, b1=0.9, b2=0.95, eps=1e-6, weight_decay=0.2)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = ProLIP(get_config("micro"), attention_impl="xla")
+    tx, schedule = optim.make_optimizer(OPTIM, 10)
+    rng = np.random.default_rng(0)
+    batch = {"image": rng.normal(size=(B, 16, 16, 3)).astype(np.float32),
+             "text": rng.integers(2, 64, size=(B, 8)).astype(np.int32)}
+    batch["text"][:, 5:] = 1
+    return model, tx, schedule, batch
+
+
+_COMPILED = {}  # one compiled step per (mesh, rules, microbatches): compiles dominate on CPU
+
+
+def run(setup, shape, rules, microbatches=1, batch=None, steps=1):
+    model, tx, schedule, default_batch = setup
+    n = math.prod(shape)
+    mesh = sharding.make_mesh(shape, ("data", "fsdp", "tensor"), jax.devices()[:n])
+    state, _ = S.create_train_state(model, tx, mesh, rules, seed=0)
+    key = (shape, rules, microbatches)
+    if key not in _COMPILED:
+        cfg = S.StepConfig(**{**CFG.__dict__, "microbatches": microbatches})
+        _COMPILED[key] = jax.jit(S.make_train_step(model, tx, schedule, cfg, mesh, B))
+    step = _COMPILED[key]
+    gb = sharding.global_batch(default_batch if batch is None else batch, mesh)
+    for _ in range(steps):
+        state, metrics = step(state, gb)
+    return jax.device_get(state), jax.device_get(metrics)
+
+
+@pytest.fixture(scope="module")
+def single(setup):
+    return run(setup, (1, 1, 1), "replicated")
+
+
+def _compare(state, ref_state, metrics, ref_metrics):
+    assert abs(float(metrics["loss"]) - float(ref_metrics["loss"])) <= 1e-5 * abs(float(ref_metrics["loss"]))
+    checked = 0
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(state.params), jax.tree.leaves(ref_state.params)):
+        if "key_bias" in jax.tree_util.keystr(path):
+            continue
+        err = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
+        assert err <= 1e-5, (jax.tree_util.keystr(path), err)
+        checked += 1
+    assert checked == len(jax.tree.leaves(ref_state.params)) - 2  # one key bias per tower
+    assert int(state.step) == 1 and int(state.skipped) == 0
+
+
+@pytest.mark.parametrize("name,shape,rules", [
+    ("data", (8, 1, 1), "replicated"), ("fsdp", (2, 4, 1), "fsdp"), ("tensor", (4, 1, 2), "tensor")])
+def test_mesh_matches_single_device(setup, single, name, shape, rules):
+    state, metrics = run(setup, shape, rules)
+    _compare(state, single[0], metrics, single[1])
+
+
+def test_microbatches_match_one_batch(setup, single):
+    """Gradient caching: k = 2 microbatches (on 8 data shards) == the one-batch step."""
+    state, metrics = run(setup, (8, 1, 1), "fsdp", microbatches=2)
+    _compare(state, single[0], metrics, single[1])
+
+
+def test_key_bias_gradient_is_noise(setup):
+    model, _, _, batch = setup
+    from prolip_jax.models import init_params
+
+    params = init_params(model.config, jax.random.key(0))
+    grads = jax.grad(lambda p: losses.prolip_loss({**model.apply({"params": p}, batch["image"], batch["text"])})[0])(params)
+    for tower in ("visual", "text"):
+        kb = np.abs(grads[tower]["transformer"]["resblocks_0"]["attn"]["key_bias"]).max()
+        qb = np.abs(grads[tower]["transformer"]["resblocks_0"]["attn"]["query_bias"]).max()
+        assert kb < 1e-6 * qb, (tower, kb, qb)
+
+
+def test_nonfinite_step_is_skipped(setup, single):
+    model, tx, schedule, batch = setup
+    bad = {**batch, "image": batch["image"].copy()}
+    bad["image"][3] = np.nan
+    state, metrics = run(setup, (1, 1, 1), "replicated", batch=bad)
+    fresh, _ = S.create_train_state(model, tx, sharding.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"),
+                                                                  jax.devices()[:1]), "replicated", seed=0)
+    jax.tree.map(np.testing.assert_array_equal, state.params, jax.device_get(fresh.params))
+    assert int(state.step) == 1 and int(state.skipped) == 1 and int(metrics["nonfinite"]) == 1
+
+
+def test_logit_scale_is_clamped():
+    params = {"logit_scale": jnp.float32(7.0), "w": jnp.ones(2)}
+    assert float(optim.clamp_logit_scale(params)["logit_scale"]) == pytest.approx(math.log(100.0))
+    assert float(optim.clamp_logit_scale({**params, "logit_scale": jnp.float32(-1.0)})["logit_scale"]) == 0.0
+
+
+def test_decay_mask_follows_reference_rule(setup):
+    from prolip_jax.models import abstract_params
+
+    mask = optim.decay_mask(abstract_params(setup[0].config))
+    attn = mask["visual"]["transformer"]["resblocks_0"]["attn"]
+    assert attn["query_kernel"] and attn["out_kernel"] and not attn["query_bias"] and not attn["out_bias"]
+    assert mask["visual"]["patch_kernel"] and mask["visual"]["positional_embedding"] and mask["visual"]["proj"]
+    assert not mask["visual"]["class_embedding"] and not mask["visual"]["ln_pre"]["scale"]
+    assert mask["text"]["token_embedding"] and not mask["text"]["text_projection"]["bias"]
+    assert not mask["logit_scale"] and not mask["logit_bias"]
+
+
+def test_schedule_matches_reference():
+    lr = optim.warmup_cosine(5e-4, 10, 110)
+    assert float(lr(0)) == pytest.approx(5e-5)  # base * (step + 1) / warmup
+    assert float(lr(9)) == pytest.approx(5e-4)
+    assert float(lr(10)) == pytest.approx(5e-4)
+    assert float(lr(60)) == pytest.approx(2.5e-4)  # half-way down the cosine
+    assert float(lr(110)) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_batch_layout_errors():
+    with pytest.raises(ValueError, match="not divisible by the 8 data shards"):
+        S.check_batch_layout(60, 8, S.StepConfig())
+    with pytest.raises(ValueError, match="multiple of mask_group"):
+        S.check_batch_layout(8 * 12, 8, S.StepConfig())
+    with pytest.raises(ValueError, match="3 microbatches"):
+        S.check_batch_layout(8 * 16, 8, S.StepConfig(microbatches=3))
+    S.check_batch_layout(16_384, 32, S.StepConfig())  # the paper's 512 per GPU
