@@ -1,0 +1,370 @@
+"""Builds per-host train/eval iterators: source -> decode/augment -> tokenize/batch -> workers.
+
+    it = build_train_iterator(config.data, tokenizer)   # process index/count from jax
+    batch = next(it)     # {"image": float32 [b, S, S, 3], "text": int32 [b, L]}, b = batch/P
+    it.stats             # {"examples": ..., "skipped": ..., "skipped/corrupt_image": ...}
+    state = it.get_state(); ...; it.set_state(state)     # JSON-able dict; exact resume
+    # or inside an orbax checkpoint: grain.checkpoint.CheckpointSave(it) / CheckpointRestore(it)
+    it.close()
+
+Records that must be dropped (records.SKIP_REASONS) are counted inside the worker that met
+them; the counts ride along in each batch (key "_skipped") and the iterator sums them, so the
+numbers are exact with any number of worker processes and survive a restore.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Callable, Mapping, Sequence
+
+import grain
+import numpy as np
+
+from input_pipeline import paths as paths_lib
+from input_pipeline import sources
+from input_pipeline import tar_source
+from input_pipeline import transforms
+from input_pipeline.config import DataConfig
+from input_pipeline.decode import DecodeConfig, ExampleDecoder
+from input_pipeline.records import REASON_INDEX, SKIP_REASONS, Skip
+
+Tokenizer = Callable[[Sequence[str]], np.ndarray]
+_PAD = Skip("padding")   # eval: a position past the end of this host's share of the data
+_STATE_VERSION = 1
+
+
+class _BatchDataset(grain.IterDataset):
+    """Examples (or Skips) -> batches of `batch_size`; tokenizes the captions per batch.
+
+    Train: Skips are dropped (and counted); every batch is full.
+    Eval: every position keeps its row, so all hosts yield the same number of batches (a
+    multi-host eval must not hang on a collective); dropped records and the padding at the
+    end become rows with mask=False.
+    """
+
+    def __init__(self, parent: grain.IterDataset, batch_size: int, tokenizer: Tokenizer,
+                 normalization: str, image_dtype: str, train: bool, image_size: int):
+        super().__init__(parent)
+        self.batch_size, self.tokenizer, self.train = batch_size, tokenizer, train
+        self.normalization, self.image_dtype = normalization, image_dtype
+        self.image_size = image_size
+        self.shared_memory = False
+
+    def enable_shared_memory_output(self) -> None:
+        """Called by grain's mp_prefetch: build images straight into shared memory, which
+        saves the copy grain would otherwise make to send them to the main process."""
+        self.shared_memory = True
+
+    def __iter__(self) -> "_BatchIterator":
+        return _BatchIterator(self._parent.__iter__(), self)
+
+    def __str__(self) -> str:
+        return f"_BatchDataset(batch_size={self.batch_size}, train={self.train})"
+
+
+class _BatchIterator(grain.DatasetIterator):
+
+    def __init__(self, parent: grain.DatasetIterator, ds: _BatchDataset):
+        super().__init__(parent)
+        self._ds = ds
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        ds = self._ds
+        rows: list[dict[str, Any] | None] = []
+        counts = np.zeros(len(SKIP_REASONS), np.int64)
+        while len(rows) < ds.batch_size:
+            try:
+                ex = next(self._parent)
+            except StopIteration:
+                if rows and not ds.train:
+                    break
+                raise
+            if isinstance(ex, Skip):
+                if ex.reason != _PAD.reason:
+                    counts[REASON_INDEX[ex.reason]] += 1
+                if not ds.train:
+                    rows.append(None)
+                continue
+            rows.append(ex)
+        return self._collate(rows, counts)
+
+    def _collate(self, rows: list[dict[str, Any] | None], counts: np.ndarray
+                 ) -> dict[str, np.ndarray]:
+        ds = self._ds
+        b, s = ds.batch_size, ds.image_size
+        valid = [r for r in rows if r is not None]
+        mask = np.array([r is not None for r in rows] + [False] * (b - len(rows)))
+        images = self._array((b, s, s, 3), np.uint8, ds.image_dtype == "uint8")
+        images[len(rows):] = 0
+        captions = [""] * b
+        for i, r in enumerate(rows):
+            if r is not None:
+                images[i] = r["image"]
+                captions[i] = r["caption"]
+            else:
+                images[i] = 0
+        if valid:
+            tokens = np.asarray(ds.tokenizer([captions[i] for i in np.flatnonzero(mask)]))
+            if tokens.ndim != 2 or tokens.shape[0] != len(valid):
+                raise ValueError(f"The tokenizer returned shape {tokens.shape} for "
+                                 f"{len(valid)} texts; expected [N, context_length].")
+            text = np.zeros((b, tokens.shape[1]), np.int32)
+            pad_id = getattr(ds.tokenizer, "pad_id", 0)
+            text[~mask] = pad_id
+            text[mask] = tokens
+        else:  # an eval batch of nothing but dropped records
+            length = int(getattr(ds.tokenizer, "context_length"))
+            text = np.full((b, length), getattr(ds.tokenizer, "pad_id", 0), np.int32)
+        if ds.image_dtype == "float32":
+            images = transforms.normalize(
+                images, ds.normalization, out=self._array(images.shape, np.float32, True))
+        out = {"image": images, "text": text, "_skipped": counts}
+        if not ds.train:
+            out["mask"] = mask
+        if valid and all("label" in r for r in valid):
+            label = np.full((b,), -1, np.int32)
+            label[mask] = [r["label"] for r in valid]
+            out["label"] = label
+        return out
+
+    def _array(self, shape: tuple[int, ...], dtype: Any, final: bool) -> np.ndarray:
+        """An uninitialised array; in shared memory if it is what leaves the worker."""
+        if final and self._ds.shared_memory:
+            from grain._src.python.ipc import shared_memory_array
+            return shared_memory_array.SharedMemoryArray(shape, dtype)
+        return np.empty(shape, dtype)
+
+    def get_state(self) -> dict[str, Any]:
+        # Batches are only handed out whole, so the parent's position is the exact state.
+        return self._parent.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parent.set_state(state)
+
+
+class InputIterator(grain.DatasetIterator):
+    """Per-host batch iterator with skip statistics and a JSON-able, checked state.
+
+    Works with orbax through `grain.checkpoint.CheckpointSave(it)` / `CheckpointRestore(it)`
+    (one JSON file per process) or with `get_state()` / `set_state()` directly.
+    """
+
+    def __init__(self, parent: grain.DatasetIterator, fingerprint: Mapping[str, Any]):
+        super().__init__(parent)
+        self._fingerprint = dict(fingerprint)
+        self._counts = np.zeros(len(SKIP_REASONS), np.int64)
+        self._examples = 0
+        self._batches = 0
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        self._assert_not_closed()
+        batch = dict(next(self._parent))
+        self._counts += np.asarray(batch.pop("_skipped"))
+        self._examples += int(batch["mask"].sum()) if "mask" in batch else len(batch["text"])
+        self._batches += 1
+        return batch
+
+    @property
+    def skip_counts(self) -> dict[str, int]:
+        """Records dropped so far on this host, per reason (records.SKIP_REASONS)."""
+        return {r: int(n) for r, n in zip(SKIP_REASONS, self._counts)}
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Flat, log-ready counters for this host: examples, batches, skipped (total and
+        per reason as `skipped/<reason>`). Cumulative over the run, restores included."""
+        out = {"examples": self._examples, "batches": self._batches,
+               "skipped": int(self._counts.sum())}
+        out.update({f"skipped/{r}": n for r, n in self.skip_counts.items()})
+        return out
+
+    def get_state(self) -> dict[str, Any]:
+        return {"version": _STATE_VERSION, "source": self._parent.get_state(),
+                "skipped": self.skip_counts, "examples": self._examples,
+                "batches": self._batches, "fingerprint": self._fingerprint}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"Iterator state version {state.get('version')!r} is not "
+                             f"{_STATE_VERSION}; it was written by another code version.")
+        saved = state["fingerprint"]
+        diff = {k: (saved.get(k), v) for k, v in self._fingerprint.items() if saved.get(k) != v}
+        if diff:
+            detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            raise ValueError("The iterator state comes from a differently configured pipeline "
+                             f"and cannot be resumed exactly ({detail}).")
+        self._parent.set_state(state["source"])
+        self._counts = np.array([state["skipped"].get(r, 0) for r in SKIP_REASONS], np.int64)
+        self._examples, self._batches = int(state["examples"]), int(state["batches"])
+
+    def __enter__(self) -> "InputIterator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _process_index_count(process_index: int | None, process_count: int | None
+                         ) -> tuple[int, int]:
+    if process_index is None or process_count is None:
+        import jax
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} is not in [0, {process_count}).")
+    return process_index, process_count
+
+
+def _resolve_tokenizer(cfg: DataConfig, tokenizer: Tokenizer | None) -> Tokenizer:
+    if tokenizer is not None:
+        return tokenizer
+    if cfg.source == "demo":
+        return _demo(cfg)[0].tokenizer()
+    if cfg.tokenizer:
+        from input_pipeline import tokenizers
+        return tokenizers.build_tokenizer(**cfg.tokenizer)
+    raise ValueError("No tokenizer: pass one to the builder or set data.tokenizer to the "
+                     "kwargs of input_pipeline.tokenizers.build_tokenizer.")
+
+
+def _demo(cfg: DataConfig) -> tuple[Any, str]:
+    """data.demo = DemoConfig fields + cache_dir (+ "split", default "train")."""
+    from input_pipeline import demo
+    kwargs = dict(cfg.demo)
+    split = kwargs.pop("split", "train")
+    return demo.get_demo(**kwargs), split
+
+
+def _random_access_source(cfg: DataConfig) -> tuple[Any, sources.ToRaw, list[str]]:
+    if cfg.source == "tfds":
+        src = sources.tfds_source(cfg.tfds_name, cfg.tfds_split, cfg.tfds_data_dir)
+        return src, sources.ToRaw("tfds", cfg.image_key, cfg.text_key, cfg.label_key), [
+            f"tfds:{cfg.tfds_name}/{cfg.tfds_split}"]
+    if cfg.source == "demo":
+        ds, split = _demo(cfg)
+        files = [ds.split_path(split)]
+    else:
+        files = paths_lib.expand_paths(cfg.path)
+    return sources.array_record_source(files), sources.ToRaw("array_record"), files
+
+
+class _Compose:
+    """Picklable f(g(x)) for grain worker processes."""
+
+    def __init__(self, *fns: Callable[[Any], Any]):
+        self.fns = fns
+
+    def __call__(self, x: Any) -> Any:
+        for fn in self.fns:
+            x = fn(x)
+        return x
+
+
+def build_dataset(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer | None = None,
+                  *, train: bool = True, process_index: int | None = None,
+                  process_count: int | None = None) -> tuple[grain.IterDataset, dict[str, Any]]:
+    """The grain IterDataset of per-host batches, and the fingerprint of its data order."""
+    cfg = DataConfig.from_mapping(config)
+    h, p = _process_index_count(process_index, process_count)
+    if cfg.batch_size % p:
+        raise ValueError(f"data.batch_size={cfg.batch_size} is not divisible by the "
+                         f"{p} hosts.")
+    tokenizer = _resolve_tokenizer(cfg, tokenizer)
+    decoder = ExampleDecoder(DecodeConfig(
+        image_size=cfg.image_size, train=train, augment=cfg.augment_config() if train else None,
+        max_image_pixels=cfg.max_image_pixels, min_image_side=cfg.min_image_side,
+        seed=cfg.seed))
+    shuffle = train and cfg.shuffle
+    num_epochs = cfg.num_epochs if train else 1
+    workers = max(1, cfg.num_workers)
+    if cfg.source == "tar":
+        files = paths_lib.expand_paths(cfg.path)
+        if len(files) < p * workers:
+            raise ValueError(f"{len(files)} tar shards cannot feed {p} hosts x {workers} "
+                             "worker processes (each needs at least one shard): use fewer "
+                             "workers or split the data into more shards.")
+        ds = tar_source.TarStreamDataset(
+            files, seed=cfg.seed, shuffle=shuffle, process_index=h, process_count=p,
+            num_epochs=num_epochs, shuffle_buffer_size=cfg.shuffle_buffer_size).map(decoder)
+        size = None
+    else:
+        src, to_raw, files = _random_access_source(cfg)
+        size = len(src)
+        if train:
+            ds = sources.EpochOrderDataset(grain.MapDataset.source(src), seed=cfg.seed,
+                                           shuffle=shuffle, process_index=h, process_count=p,
+                                           num_epochs=num_epochs)
+            ds = ds.map(_Compose(to_raw, decoder))
+        else:
+            ds = grain.MapDataset.range(-(-size // p)).map(
+                _Compose(_EvalPosition(src, h, p), to_raw, decoder))
+        ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.read_threads,
+                                                  prefetch_buffer_size=cfg.read_buffer_size))
+    ds = _BatchDataset(ds, cfg.batch_size // p, tokenizer, cfg.normalization, cfg.image_dtype,
+                       train=train, image_size=cfg.image_size)
+    if cfg.num_workers > 0:
+        _ensure_absl_flags_parsed()
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(
+            num_workers=cfg.num_workers, per_worker_buffer_size=cfg.per_worker_buffer_size))
+    fingerprint = {
+        "source": cfg.source, "files": _digest(files), "num_records": size, "train": train,
+        "seed": cfg.seed, "shuffle": shuffle, "batch_size": cfg.batch_size,
+        "process_index": h, "process_count": p, "num_workers": cfg.num_workers,
+        "shuffle_buffer_size": cfg.shuffle_buffer_size if cfg.source == "tar" else None}
+    return ds, fingerprint
+
+
+class _EvalPosition:
+    """Eval order: host h reads records h, h+P, h+2P, ...; past the end -> padding."""
+
+    def __init__(self, src: Any, process_index: int, process_count: int):
+        self.src, self.h, self.p = src, process_index, process_count
+
+    def __call__(self, j: int) -> Any:
+        position = j * self.p + self.h
+        if position >= len(self.src):
+            return _PAD
+        return 0, position, self.src[position]
+
+
+def _digest(files: Sequence[str]) -> str:
+    return hashlib.sha1(json.dumps(list(files)).encode()).hexdigest()[:16]
+
+
+def _ensure_absl_flags_parsed() -> None:
+    # grain's worker processes read absl flags; outside absl.app.run (pytest, notebooks,
+    # plain scripts) they are unparsed and the workers would fail (JAX_STACK_NOTES §2c).
+    from absl import flags
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+def build_train_iterator(config: Mapping[str, Any] | DataConfig,
+                         tokenizer: Tokenizer | None = None, *,
+                         process_index: int | None = None,
+                         process_count: int | None = None) -> InputIterator:
+    """Infinite (or `num_epochs`) shuffled, augmented per-host batches:
+    {"image": float32|uint8 [B/P, S, S, 3], "text": int32 [B/P, L]} (+ "label" int32 [B/P]
+    when every record has one). process_index/count default to jax's.
+
+    Batches are always full: dropped records are replaced by the next ones. With a finite
+    `num_epochs` the last partial batch of each worker is dropped."""
+    ds, fingerprint = build_dataset(config, tokenizer, train=True, process_index=process_index,
+                                    process_count=process_count)
+    return InputIterator(ds.__iter__(), fingerprint)
+
+
+def build_eval_iterator(config: Mapping[str, Any] | DataConfig,
+                        tokenizer: Tokenizer | None = None, *,
+                        process_index: int | None = None,
+                        process_count: int | None = None) -> InputIterator:
+    """One pass, in order, eval transform: {"image", "text", "mask": bool [B/P]} (+ "label").
+
+    Rows of dropped records and of the padding at the end have mask=False. For random-access
+    sources (array_record, tfds, demo) every host yields exactly ceil(ceil(N/P) / (B/P))
+    batches, so a multi-host eval never waits on a host that ran out. Tar shards hold unknown
+    numbers of records, so hosts may yield different numbers of batches: for multi-host eval
+    convert them to ArrayRecord first (scripts/tar_to_array_record.py)."""
+    ds, fingerprint = build_dataset(config, tokenizer, train=False, process_index=process_index,
+                                    process_count=process_count)
+    return InputIterator(ds.__iter__(), fingerprint)

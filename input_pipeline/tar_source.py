@@ -1,0 +1,218 @@
+"""Streaming webdataset tar shards (img2dataset layout) as a resumable grain IterDataset.
+
+A shard holds members `{key}.jpg|jpeg|png|webp` + `{key}.txt` (+ optional `{key}.json`);
+consecutive members with the same key form one record (webdataset's rule: the key is the path
+up to the first dot of the file name).
+
+Order, per epoch e:
+  1. the list of all shards is permuted with (seed, e) (shard-level shuffle);
+  2. host h of P takes every P-th shard of that permutation (disjoint, complete);
+  3. grain worker w of W (set by `mp_prefetch` through `set_slice`) takes every W-th of those;
+  4. each worker reads its shards in sequence and shuffles records in windows of
+     `shuffle_buffer_size` (a shuffle buffer that is filled, permuted with a seed derived from
+     the window's position, then drained).
+
+Resumption: the state is (epoch, shard, record at which the current window starts, how many of
+its records were already produced). Restoring re-opens that shard, streams past the records
+before the window, refills the window and drops what was already produced, so the continuation
+is exactly what an uninterrupted run would yield. The cost is re-reading up to one window (plus
+the start of its shard) per worker. (A classic reservoir shuffle buffer would need its whole
+content in the checkpoint; windows need four integers.)
+"""
+from __future__ import annotations
+
+import os
+import tarfile
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import grain
+
+from input_pipeline import paths as paths_lib
+from input_pipeline.records import Skip
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
+TEXT_EXT = "txt"
+_SHARD_ORDER_TAG = 0x5A4D   # separates the seed streams of shard order and window shuffles
+_WINDOW_TAG = 0x57A1
+
+
+def split_key(name: str) -> tuple[str, str]:
+    """'dir/000123.jpg' -> ('dir/000123', 'jpg'); the extension starts at the first dot."""
+    dirname, base = os.path.split(name)
+    if "." not in base:
+        return name, ""
+    stem, ext = base.split(".", 1)
+    return os.path.join(dirname, stem), ext.lower()
+
+
+def iter_tar_groups(fileobj: Any) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """Streams (key, {ext: bytes}) groups of consecutive same-key members of a tar stream."""
+    key, members = None, {}
+    with tarfile.open(fileobj=fileobj, mode="r|*") as tar:
+        for info in tar:
+            if not info.isfile():
+                continue
+            k, ext = split_key(info.name)
+            if k != key and key is not None:
+                yield key, members
+                members = {}
+            key = k
+            f = tar.extractfile(info)
+            members.setdefault(ext, f.read() if f is not None else b"")
+    if key is not None:
+        yield key, members
+
+
+def group_to_raw(key: str, members: dict[str, bytes], rng_key: tuple[int, ...]
+                 ) -> dict[str, Any] | Skip:
+    """A member group -> raw record (see records.py), or Skip for a member without partner."""
+    image = next((members[e] for e in IMAGE_EXTS if e in members), None)
+    txt = members.get(TEXT_EXT)
+    if image is None and txt is None:
+        return Skip("unpaired_member", key)
+    if image is None:
+        return Skip("missing_image", key)
+    if txt is None:
+        return Skip("missing_caption", key)
+    return {"image": image, "txt": txt, "key": key, "label": None, "rng_key": rng_key,
+            "json": members.get("json")}
+
+
+def iter_shard(path: str, shard_id: int, epoch: int, start: int = 0
+               ) -> Iterator[tuple[int, dict[str, Any] | Skip]]:
+    """(group index, raw record | Skip) for the groups of one shard from `start` on.
+
+    A shard that stops being readable yields one Skip("corrupt_shard") and ends (the records
+    before the damage are kept). A shard that cannot be opened at all raises: that is a wrong
+    path or missing permission, which the user must fix, not data to skip.
+    """
+    try:
+        f = paths_lib.open_binary(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"Tar shard {path!r} does not exist (it was listed when the "
+                                "pipeline was built).") from None
+    with f:
+        index = -1
+        try:
+            for index, (key, members) in enumerate(iter_tar_groups(f)):
+                if index >= start:
+                    yield index, group_to_raw(key, members, (epoch, shard_id, index))
+        except (tarfile.TarError, EOFError, OSError, ValueError, UnicodeDecodeError):
+            yield index + 1, Skip("corrupt_shard", path)
+
+
+def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    if not shuffle:
+        return np.arange(num_shards)
+    return np.random.default_rng((seed, _SHARD_ORDER_TAG, epoch)).permutation(num_shards)
+
+
+class TarStreamDataset(grain.IterDataset):
+    """IterDataset of raw records (or Skips) from tar shards; see the module docstring."""
+
+    def __init__(self, shard_paths: Sequence[str], *, seed: int, shuffle: bool,
+                 process_index: int, process_count: int, num_epochs: int | None,
+                 shuffle_buffer_size: int):
+        super().__init__()
+        if not shard_paths:
+            raise ValueError("TarStreamDataset needs at least one shard.")
+        self.shard_paths = list(shard_paths)
+        self.seed, self.shuffle = seed, shuffle
+        self.process_index, self.process_count = process_index, process_count
+        self.num_epochs = num_epochs
+        self.window = max(1, shuffle_buffer_size if shuffle else 1)
+        self.worker_slice = slice(None)
+
+    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+        """Called by grain's `mp_prefetch` on each worker's copy of the dataset."""
+        del sequential_slice
+        self.worker_slice = sl
+
+    def shards_for_epoch(self, epoch: int) -> np.ndarray:
+        """Indices (into shard_paths) this host/worker reads in `epoch`, in reading order."""
+        order = shard_order(len(self.shard_paths), self.seed, epoch, self.shuffle)
+        return order[self.process_index::self.process_count][self.worker_slice]
+
+    def __iter__(self) -> "_TarStreamIterator":
+        return _TarStreamIterator(self)
+
+    def __str__(self) -> str:
+        return (f"TarStreamDataset({len(self.shard_paths)} shards, host {self.process_index}/"
+                f"{self.process_count}, window={self.window})")
+
+
+class _TarStreamIterator(grain.DatasetIterator):
+    """Window-shuffled stream over this worker's shards, epoch after epoch."""
+
+    def __init__(self, ds: TarStreamDataset):
+        super().__init__()
+        self._ds = ds
+        self._set_position(epoch=0, shard_pos=0, group_pos=0, index=0)
+
+    def _set_position(self, epoch: int, shard_pos: int, group_pos: int, index: int) -> None:
+        self._epoch, self._shard_pos, self._group_pos = epoch, shard_pos, group_pos
+        self._index = index
+        self._window: list[Any] | None = None   # filled lazily at (shard_pos, group_pos)
+        self._reader: Iterator[tuple[int, int, Any]] | None = None
+
+    def _read_epoch(self, epoch: int, shard_pos: int, group_pos: int):
+        """Yields (shard_pos, group index, record) from a position to the end of the epoch."""
+        shards = self._ds.shards_for_epoch(epoch)
+        for pos in range(shard_pos, len(shards)):
+            sid = int(shards[pos])
+            start = group_pos if pos == shard_pos else 0
+            for g, rec in iter_shard(self._ds.shard_paths[sid], sid, epoch, start):
+                yield pos, g, rec
+
+    def _fill_window(self) -> bool:
+        """Fills the window starting at the current position; False at the end of the data."""
+        empty_epochs = 0
+        while True:
+            if self._ds.num_epochs is not None and self._epoch >= self._ds.num_epochs:
+                return False
+            if self._reader is None:
+                self._reader = self._read_epoch(self._epoch, self._shard_pos, self._group_pos)
+            items = []
+            for pos, g, rec in self._reader:
+                if not items:  # the window starts at its first record
+                    self._shard_pos, self._group_pos = pos, g
+                items.append(rec)
+                if len(items) == self._ds.window:
+                    break
+            if items:
+                if self._ds.shuffle and len(items) > 1:
+                    sid = int(self._ds.shards_for_epoch(self._epoch)[self._shard_pos])
+                    rng = np.random.default_rng(
+                        (self._ds.seed, _WINDOW_TAG, self._epoch, sid, self._group_pos))
+                    items = [items[i] for i in rng.permutation(len(items))]
+                self._window = items
+                return True
+            # This epoch is exhausted for this worker: move on to the next one.
+            self._epoch, self._shard_pos, self._group_pos, self._reader = (
+                self._epoch + 1, 0, 0, None)
+            empty_epochs += 1
+            if empty_epochs >= 3:
+                return False   # this worker has no shards (the builder rejects that up front)
+
+    def __next__(self) -> dict[str, Any] | Skip:
+        self._assert_not_closed()
+        while self._window is None or self._index >= len(self._window):
+            if self._window is not None:   # window drained: the next starts where reading is
+                self._window, self._index = None, 0
+                self._shard_pos, self._group_pos = -1, -1   # set by _fill_window
+            if not self._fill_window():
+                raise StopIteration
+        item = self._window[self._index]
+        self._index += 1
+        return item
+
+    def get_state(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "shard_pos": self._shard_pos,
+                "group_pos": self._group_pos, "index": self._index}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        # The window is refilled lazily from its start; `index` records already produced
+        # are then dropped (a drained window, index == its size, is simply read past).
+        self._set_position(int(state["epoch"]), int(state["shard_pos"]),
+                           int(state["group_pos"]), int(state["index"]))
