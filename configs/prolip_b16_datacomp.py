@@ -69,7 +69,8 @@ def get_config(arg=None):
     c.data = mlc.ConfigDict(dict(
         source="tar", path="",  # required: see the docstring
         image_size=v["image_size"], num_workers=16, per_worker_buffer_size=2, shuffle_buffer_size=10_000,
-        augment=True, normalization="openai", image_dtype="float32",
+        augment=True, normalization="openai",
+        image_dtype="uint8",  # normalised on device: ~1.6x faster input (input_pipeline/BENCHMARK.md)
         demo=dict(),
         tokenizer=dict(kind="clip_bpe" if clip_bpe else "sentencepiece", path="",
                        context_length=v["context_length"]),

@@ -39,6 +39,8 @@ def get_config(arg=None):
     c.data = mlc.ConfigDict(dict(
         source=args["data"],  # demo | random | array_record | tar | tfds
         path="", image_size=32, num_workers=0, augment=True,
+        image_dtype="uint8",  # normalised on device (OpenAI CLIP mean/std): 4x less host work
+        grayscale_prob=0.0,  # demo captions name colours: a grayscale image would contradict them
         demo=dict(image_size=32, num_train=20_000),
         # For array_record/tar/tfds sources: kwargs of input_pipeline.tokenizers.build_tokenizer.
         tokenizer=dict(kind="sentencepiece", path="", context_length=16),

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from input_pipeline.transforms import normalize_on_device
 from prolip_jax import losses, sharding
 from prolip_jax.models.prolip import ProLIP, dummy_inputs, mask_text_tokens, num_kept_patches
 from prolip_jax.optim import clamp_logit_scale
@@ -54,6 +55,7 @@ class StepConfig:
     microbatches: int = 1
     seed: int = 0
     ppcl_impl: str = "dense"  # "dense" (B x B sharded logits) or "ring" (shard_map + ppermute)
+    normalization: str = "openai"  # for uint8 batches, normalised on device (cheaper on the host)
 
 
 # --------------------------------------------------------------------------------- state
@@ -138,8 +140,8 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
                     mesh: Mesh, global_batch: int) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     """Returns `train_step(state, batch) -> (state, metrics)` (not yet jitted).
 
-    batch: {"image": float [B, H, W, 3], "text": int [B, L]}, B = global_batch sharded over the
-    mesh's batch axes.
+    batch: {"image": float [B, H, W, 3] normalised, or uint8 (normalised here), "text": int [B, L]},
+    B = global_batch sharded over the mesh's batch axes.
     """
     n_shards = sharding.num_batch_shards(mesh)
     check_batch_layout(global_batch, n_shards, cfg)
@@ -195,6 +197,8 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         images, tokens = batch["image"], batch["text"]
+        if images.dtype == jnp.uint8:
+            images = normalize_on_device(images, cfg.normalization)
         rng_img, rng_txt = jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), state.step))
         m_images = group_rows(images, g, m_group)
         m_tokens = mask_text_tokens(rng_txt, group_rows(tokens, g, m_group), cfg.mask_token_id,

@@ -55,7 +55,8 @@ def step_config(config) -> step_lib.StepConfig:
     return step_lib.StepConfig(
         loss=loss, masked_fraction=mk.fraction, mask_group=mk.group, image_keep_ratio=mk.image_keep_ratio,
         text_mask_prob=mk.text_mask_prob, mask_token_id=mk.mask_token_id, protected_ids=tuple(mk.protected_ids),
-        microbatches=config.microbatches, seed=config.seed, ppcl_impl=lc.ppcl_impl)
+        microbatches=config.microbatches, seed=config.seed, ppcl_impl=lc.ppcl_impl,
+        normalization=config.data.get("normalization", "openai"))
 
 
 # The fields a trainer config has (configs/*.py); `data` is checked by input_pipeline.DataConfig.
@@ -105,11 +106,17 @@ def maybe_initialize_distributed(coordinator_address: str | None, num_processes:
                                  process_id: int | None) -> None:
     """Explicit flags win; otherwise auto-detect TPU pods and SLURM jobs of more than one task."""
     if coordinator_address:
-        if jax.default_backend() == "cpu" or os.environ.get("JAX_PLATFORMS", "") == "cpu":
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # CPU processes need gloo for cross-process collectives (no effect on GPU/TPU clients).
+        # Nothing may touch the backend before initialize(), so do not ask which one it is.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address, num_processes, process_id)
     elif int(os.environ.get("SLURM_NTASKS", "1")) > 1 or "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
         jax.distributed.initialize()
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A replicated array's value on this host (multi-host arrays are not fully addressable)."""
+    return np.asarray(x.addressable_data(0))
 
 
 # =====================================================================================
@@ -153,8 +160,9 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
         if is_chief:
             print(f"resumed from {workdir / 'checkpoints' / str(start)} (step {start})", flush=True)
 
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     train_step = jax.jit(step_lib.make_train_step(model, tx, schedule, scfg, mesh, config.batch_size),
-                         in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0)
+                         in_shardings=(state_sh, None), out_shardings=(state_sh, replicated), donate_argnums=0)
 
     # ---- What the user sees ----------------------------------------------------------------
     writer = MetricWriter(str(workdir), config.total_steps, is_chief=is_chief, resume_step=start + 1)
@@ -181,21 +189,21 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
             step += 1
             # Read the previous step's flag: the device keeps working on this one meanwhile.
             if prev_metrics is not None:
-                in_a_row = in_a_row + 1 if int(prev_metrics["nonfinite"]) else 0
+                in_a_row = in_a_row + 1 if int(to_host(prev_metrics["nonfinite"])) else 0
             prev_metrics = metrics
             if in_a_row >= config.max_nonfinite_in_a_row:
                 raise FloatingPointError(
                     f"{in_a_row} steps in a row had a non-finite loss or gradient (step {step}); stopping. "
                     f"The last good checkpoint is kept in {workdir / 'checkpoints'}.")
             if step % config.log_steps == 0 or step == config.total_steps:
-                values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                values = {k: float(to_host(v)) for k, v in metrics.items()}
                 dt = (time.time() - t_log) / max(step - step_log, 1)
                 t_log, step_log = time.time(), step
                 values.update({
                     "step_time_s": dt, "samples_per_s": config.batch_size / dt,
                     "samples_per_s_per_device": config.batch_size / dt / jax.device_count(),
                     "tflops_per_device": flops_lib.tflops_per_device(step_flops, dt, jax.device_count()),
-                    "skipped_updates": int(state.skipped),
+                    "skipped_updates": int(to_host(state.skipped)),
                     **{f"data/{k}": v for k, v in data.stats.items()},
                 })
                 mfu = flops_lib.mfu(step_flops, dt, jax.device_count(), device_kind, model.dtype)
