@@ -3,6 +3,7 @@ localhost == one process x 8 devices; SIGTERM (preemption) saves and exits clean
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import time
@@ -71,7 +72,7 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     deadline = time.time() + 600
     for line in proc.stdout:  # wait until training is under way
         lines.append(line)
-        if line.startswith("[2/") or time.time() > deadline:
+        if re.match(r"\[\s*2/", line) or time.time() > deadline:  # the progress line of step 2
             break
     proc.send_signal(signal.SIGTERM)
     out = "".join(lines) + proc.communicate(timeout=300)[0]
