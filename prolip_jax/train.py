@@ -104,13 +104,16 @@ def validate(config, mesh, mcfg: ProLIPConfig) -> None:
 
 def maybe_initialize_distributed(coordinator_address: str | None, num_processes: int | None,
                                  process_id: int | None) -> None:
-    """Explicit flags win; otherwise auto-detect TPU pods and SLURM jobs of more than one task."""
+    """Explicit flags win; otherwise SLURM jobs of more than one task, TPU pod slices, or
+    PROLIP_DISTRIBUTED=1 (what scripts/launch_tpu_pod.sh sets) call the auto-detecting
+    `jax.distributed.initialize()`."""
     if coordinator_address:
         # CPU processes need gloo for cross-process collectives (no effect on GPU/TPU clients).
         # Nothing may touch the backend before initialize(), so do not ask which one it is.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address, num_processes, process_id)
-    elif int(os.environ.get("SLURM_NTASKS", "1")) > 1 or "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
+    elif (os.environ.get("PROLIP_DISTRIBUTED") == "1" or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+          or "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")):
         jax.distributed.initialize()
 
 

@@ -31,6 +31,8 @@ VENV="${VENV:-$REPO_DIR/.venv}"               # venv with jax[cuda] installed
 CONFIG="${CONFIG:-configs/prolip_b16_datacomp.py}"   # append :arg for a variant, e.g. :variant=L/16
 WORKDIR="${WORKDIR:-/shared/$USER/prolip/run1}"
 DATA_PATH="${DATA_PATH:-/shared/datasets/datacomp1b/train-*.array_record}"
+DATA_SOURCE="${DATA_SOURCE:-array_record}"                    # or tar (webdataset shards)
+TOKENIZER="${TOKENIZER:-/shared/tokenizers/siglip_c4_en/spiece.model}"
 
 cd "$REPO_DIR"
 # shellcheck disable=SC1091
@@ -46,5 +48,7 @@ srun --kill-on-bad-exit=1 \
   python -m prolip_jax.train \
     --config="$CONFIG" \
     --workdir="$WORKDIR" \
+    --config.data.source="$DATA_SOURCE" \
     --config.data.path="$DATA_PATH" \
+    --config.data.tokenizer.path="$TOKENIZER" \
     "$@"

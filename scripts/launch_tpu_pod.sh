@@ -6,8 +6,8 @@
 #            bash scripts/launch_tpu_pod.sh [--config.field=value ...]
 #
 # `--worker=all` runs the same command on every host of the slice; inside it,
-# jax.distributed.initialize() finds the coordinator and process ids from the TPU metadata,
-# so no flags are needed. Every host must see the same code and config, hence the pull.
+# jax.distributed.initialize() (forced by PROLIP_DISTRIBUTED=1) finds the coordinator and
+# process ids from the TPU metadata, so no flags are needed. Every host must see the same code and config, hence the pull.
 # The workdir should be a GCS bucket all hosts can reach: checkpoints (orbax, multi-host) and
 # metrics (written by process 0) go there, and a relaunch with the same WORKDIR resumes.
 # Extra arguments are passed to the trainer, e.g. --config.total_steps=1000.
@@ -22,12 +22,15 @@ BRANCH="${BRANCH:-main}"
 CONFIG="${CONFIG:-configs/prolip_b16_datacomp.py}"   # append :arg for a variant, e.g. :variant=L/16
 WORKDIR="${WORKDIR:-gs://my-bucket/prolip/run1}"
 DATA_PATH="${DATA_PATH:-gs://my-bucket/datacomp1b/train-*.array_record}"
+DATA_SOURCE="${DATA_SOURCE:-array_record}"          # or tar (webdataset shards)
+TOKENIZER="${TOKENIZER:-/home/$USER/spiece.model}"  # SigLIP c4-en SentencePiece model, copied to every worker
 # jax[tpu] pulls the matching libtpu from PyPI; keep the range of setup.cfg. gcsfs and
 # google-cloud-storage (installed below) let metrics.jsonl and TensorBoard write to gs://.
 JAX_SPEC="${JAX_SPEC:-jax[tpu]>=0.10.2,<0.12}"
 
 # Quote the trainer's arguments once here so they survive the remote shell unchanged.
-TRAIN_ARGS=$(printf '%q ' --config="$CONFIG" --workdir="$WORKDIR" --config.data.path="$DATA_PATH" "$@")
+TRAIN_ARGS=$(printf '%q ' --config="$CONFIG" --workdir="$WORKDIR" --config.data.source="$DATA_SOURCE" \
+  --config.data.path="$DATA_PATH" --config.data.tokenizer.path="$TOKENIZER" "$@")
 
 # Runs on every worker: clone once, update, install, train. stdout/stderr of all workers
 # stream back here; process 0 prints the progress lines, the others stay mostly quiet.
@@ -37,7 +40,7 @@ cd prolip_jax
 git fetch origin && git checkout $(printf '%q' "$BRANCH") && git pull --ff-only
 python3 -m pip install -q -U $(printf '%q' "$JAX_SPEC")
 python3 -m pip install -q -e . gcsfs google-cloud-storage
-python3 -m prolip_jax.train $TRAIN_ARGS"
+PROLIP_DISTRIBUTED=1 python3 -m prolip_jax.train $TRAIN_ARGS"
 
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" \
   --project "$PROJECT" --zone "$ZONE" --worker=all \

@@ -95,11 +95,16 @@ def test_checkpoint_loads_as_a_model(runs):
 
 
 def test_restore_onto_another_mesh(runs, tmp_path):
-    """The 8-way data-parallel checkpoint resumes on an FSDP x data mesh and keeps training."""
+    """The 8-way data-parallel checkpoint resumes on an FSDP x data mesh and keeps training;
+    a half-written later save (as a killed process leaves it) does not hide it."""
     tmp, *_ = runs
     import shutil
 
     shutil.copytree(tmp / "straight", tmp_path / "w")
+    killed = tmp_path / "w" / "checkpoints" / f"{2 * N + 5}.orbax-checkpoint-tmp-1234567"
+    (killed / "params").mkdir(parents=True)
+    (killed / "params" / "partial").write_bytes(b"\0" * 100)
+    assert checkpoint.resolve(tmp_path / "w" / "checkpoints")[1] == 2 * N
     cfg = tiny_config(tmp, **{"total_steps": 2 * N + 1, "sharding_rules": "fsdp"})
     cfg.mesh.shape = (2, 4, 1)
     out = train.train(cfg, str(tmp_path / "w"))

@@ -63,6 +63,14 @@ def test_two_processes_equal_one(tmp_path):
     lb = (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()
     assert len(la) == len(lb) == 3
 
+    # The 8-device checkpoint resumes in one process with 4 devices (another device count).
+    resumed = subprocess.run([sys.executable, "-m", "prolip_jax.train", "--config", "configs/tiny.py:steps=4,data=random",
+                              *ARGS, "--workdir", str(tmp_path / "single")], cwd=ROOT, env=_env(4),
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "[4/4" in resumed.stdout
+    assert checkpoint.resolve(tmp_path / "single" / "checkpoints")[1] == 4
+
 
 def test_sigterm_saves_and_exits_cleanly(tmp_path):
     args = [sys.executable, "-m", "prolip_jax.train", "--config", "configs/tiny.py:steps=100000,data=random", *ARGS,
