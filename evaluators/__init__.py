@@ -1,0 +1,1 @@
+"""Evaluators: zero-shot classification, retrieval, uncertainty analyses, prompt re-weighting."""
