@@ -117,6 +117,28 @@ def maybe_initialize_distributed(coordinator_address: str | None, num_processes:
         jax.distributed.initialize()
 
 
+EVAL_KEYS = ("type", "log_steps", "prefix")
+
+
+def build_evaluators(config, model: ProLIP) -> list[tuple[dict, Any]]:
+    """`config.evals.<name> = dict(type=..., log_steps=..., prefix=..., **evaluator_config)`
+    (big_vision style) -> [(settings, evaluators.<type>.Evaluator(evaluator_config, model))]."""
+    import importlib
+
+    built = []
+    for name, ecfg in config.evals.items():
+        ecfg = ecfg.to_dict() if hasattr(ecfg, "to_dict") else dict(ecfg)
+        kind = ecfg.get("type")
+        try:
+            module = importlib.import_module(f"evaluators.{kind}")
+        except ImportError as e:
+            raise ValueError(f"config.evals.{name}: unknown evaluator type {kind!r} ({e})") from e
+        settings = {"name": name, "log_steps": int(ecfg.get("log_steps", config.log_steps)),
+                    "prefix": ecfg.get("prefix", "")}
+        built.append((settings, module.Evaluator({k: v for k, v in ecfg.items() if k not in EVAL_KEYS}, model)))
+    return built
+
+
 def to_host(x: jax.Array) -> np.ndarray:
     """A replicated array's value on this host (multi-host arrays are not fully addressable)."""
     return np.asarray(x.addressable_data(0))
@@ -167,6 +189,8 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
     train_step = jax.jit(step_lib.make_train_step(model, tx, schedule, scfg, mesh, config.batch_size),
                          in_shardings=(state_sh, None), out_shardings=(state_sh, replicated), donate_argnums=0)
 
+    evaluators = build_evaluators(config, model)
+
     # ---- What the user sees ----------------------------------------------------------------
     writer = MetricWriter(str(workdir), config.total_steps, is_chief=is_chief, resume_step=start + 1)
     m_count = config.batch_size // scfg.mask_group * losses.num_masked(scfg.mask_group, scfg.masked_fraction)
@@ -199,7 +223,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
                     f"{in_a_row} steps in a row had a non-finite loss or gradient (step {step}); stopping. "
                     f"The last good checkpoint is kept in {workdir / 'checkpoints'}.")
             if step % config.log_steps == 0 or step == config.total_steps:
-                values = {k: float(to_host(v)) for k, v in metrics.items()}
+                values: dict[str, Any] = {k: float(to_host(v)) for k, v in metrics.items()}
                 dt = (time.time() - t_log) / max(step - step_log, 1)
                 t_log, step_log = time.time(), step
                 values.update({
@@ -212,6 +236,14 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
                 mfu = flops_lib.mfu(step_flops, dt, jax.device_count(), device_kind, model.dtype)
                 if mfu is not None:
                     values["mfu"] = mfu
+            else:
+                values = {}
+            for settings, evaluator in evaluators:
+                if step % settings["log_steps"] == 0 or step == config.total_steps:
+                    t_eval = time.time()
+                    values.update({settings["prefix"] + k: v for k, v in evaluator.run(state.params)})
+                    t_log += time.time() - t_eval  # evaluation time is not training step time
+            if values:
                 writer.write(step, values)
                 last_metrics = values
             if step % config.checkpoint_steps == 0 and step < config.total_steps:

@@ -38,14 +38,14 @@ def setup():
 _COMPILED = {}  # one compiled step per (mesh, rules, microbatches): compiles dominate on CPU
 
 
-def run(setup, shape, rules, microbatches=1, batch=None, steps=1):
+def run(setup, shape, rules, microbatches=1, batch=None, steps=1, ppcl_impl="dense"):
     model, tx, schedule, default_batch = setup
     n = math.prod(shape)
     mesh = sharding.make_mesh(shape, ("data", "fsdp", "tensor"), jax.devices()[:n])
     state, _ = S.create_train_state(model, tx, mesh, rules, seed=0)
-    key = (shape, rules, microbatches)
+    key = (shape, rules, microbatches, ppcl_impl)
     if key not in _COMPILED:
-        cfg = S.StepConfig(**{**CFG.__dict__, "microbatches": microbatches})
+        cfg = S.StepConfig(**{**CFG.__dict__, "microbatches": microbatches, "ppcl_impl": ppcl_impl})
         _COMPILED[key] = jax.jit(S.make_train_step(model, tx, schedule, cfg, mesh, B))
     step = _COMPILED[key]
     gb = sharding.global_batch(default_batch if batch is None else batch, mesh)
@@ -72,10 +72,12 @@ def _compare(state, ref_state, metrics, ref_metrics):
     assert int(state.step) == 1 and int(state.skipped) == 0
 
 
-@pytest.mark.parametrize("name,shape,rules", [
-    ("data", (8, 1, 1), "replicated"), ("fsdp", (2, 4, 1), "fsdp"), ("tensor", (4, 1, 2), "tensor")])
-def test_mesh_matches_single_device(setup, single, name, shape, rules):
-    state, metrics = run(setup, shape, rules)
+@pytest.mark.parametrize("name,shape,rules,ppcl_impl", [
+    ("data", (8, 1, 1), "replicated", "dense"),
+    ("fsdp_ring", (2, 4, 1), "fsdp", "ring"),  # the shard_map ring over data x fsdp, in the step
+    ("tensor", (4, 1, 2), "tensor", "dense")])
+def test_mesh_matches_single_device(setup, single, name, shape, rules, ppcl_impl):
+    state, metrics = run(setup, shape, rules, ppcl_impl=ppcl_impl)
     _compare(state, single[0], metrics, single[1])
 
 
