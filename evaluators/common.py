@@ -116,6 +116,9 @@ def binned_accuracy(correct: np.ndarray, unc: np.ndarray, bins: int = 10) -> tup
     """Accuracy in `bins` equal-count bins of increasing uncertainty, and the Pearson correlation
     between bin index and accuracy (REFERENCE §3.1 `eval_clsf_unc`; negative = the model knows
     when it is wrong)."""
+    if len(correct) == 0:
+        raise ValueError("binned_accuracy needs at least one item")
+    bins = min(bins, len(correct))  # no empty bins (their mean would be NaN)
     order = np.argsort(unc, kind="stable")
     accs = np.array([np.mean(correct[idx]) for idx in np.array_split(order, bins)])
     if np.std(accs) == 0:

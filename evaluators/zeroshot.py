@@ -1,0 +1,390 @@
+"""Zero-shot classification (paper §4.2; REFERENCE §3.1, §3.2).
+
+Class embedding = prompt ensemble: the mean over templates of the normalised text mu,
+re-normalised, and the mean over templates of sigma^2 (not normalised). Two scores:
+    dot   100 * mu_img . mu_c                              (the reference's training-time eval)
+    csd   100 * mu_img . mu_c - 50 * sum_d sigma2_{c,d}    (REFERENCE §3.2 `unc_logits`; for unit
+          mu_c this ranks classes exactly like -CSD, whose image terms are constant per row)
+Also the top-1 accuracy in 10 equal-count bins of image uncertainty sum_d sigma2_d and its
+correlation with the bin index (REFERENCE §3.1 `eval_clsf_unc`), and optionally BPRW
+(evaluators/prompt_reweighting.py).
+
+Config keys (dict or ml_collections.ConfigDict):
+    dataset        "demo" | "imagefolder" | "tfds"                               (default "demo")
+    name           task name in the metric names (default: the demo task, else "imagenet")
+    classnames, templates   lists, or paths to a JSON list / text file (one per line); default:
+                   the demo task's, else the shipped 1,000 ImageNet names / 80 OpenAI templates
+    demo           kwargs of input_pipeline.demo.get_demo (cache_dir, image_size, num_zeroshot...)
+    task           demo task: "object" (36 colour x shape classes) or "shape"    (default "object")
+    root, split    imagefolder: <root>/<split>/<class_dir>/*.JPEG                  (split "val")
+    class_index    imagefolder: JSON {class_dir: index} | JSON [class_dir, ...] | Keras-style
+                   JSON {"0": [class_dir, name]} | text file, one class_dir per line;
+                   default: sorted class dirs (the torchvision convention)
+    tfds_split, data_dir    tfds: tfds.data_source("imagenet2012", ...)   (split "validation")
+    num_images     use only the first N images (0 = all)
+    image_size     default: the model's; normalization "openai"; batch_size 256; num_threads 8
+    tokenizer      kwargs of input_pipeline.tokenizers.build_tokenizer, if none is passed in
+    bprw           None, or a list of BPRW settings ("nn", "fewshot", a spec string
+                   'alpha-multiplier-NN-K-stable_eps-prior', or a dict); bprw_seed (0);
+                   bprw_exclude_support (False): few-shot accuracies without the support images
+    out_dir        where BPRW weights are written (bprw_<name>_<mode>.npy / .json); "" = nowhere
+Metrics (all accuracies are fractions in [0, 1]):
+    zeroshot/<name>/top1_dot, top5_dot, top1_csd, top5_csd
+    zeroshot/<name>/unc_bin{0..9}_top1_dot, unc_bin{i}_top1_csd   (bin 0 = least uncertain)
+    zeroshot/<name>/unc_corr_dot, unc_corr_csd   (Pearson r of bin index vs accuracy, in [-1, 1])
+    zeroshot/<name>/image_unc_mean, text_unc_mean
+    bprw/<name>/<mode>/top1_{dot,csd}_base (80-prompt ensemble), top1_{dot,csd} (re-weighted),
+    bprw/<name>/<mode>/weight_max, weight_entropy, em_iterations   (<mode>: "nn", "fewshot", or
+    the spec string for other settings)
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from evaluators import common, prompt_reweighting
+
+DATA_DIR = Path(__file__).parent / "data"
+IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png", ".bmp", ".webp")
+
+
+# ----------------------------------------------------------------------------- data as data
+def _read_list(path: str, what: str) -> list[str]:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{what} file {path!r} does not exist")
+    with open(path) as f:
+        if path.endswith(".json"):
+            out = json.load(f)
+            if not isinstance(out, list):
+                raise ValueError(f"{what} file {path!r} must hold a JSON list")
+            return [str(x) for x in out]
+        return [line.rstrip("\n") for line in f if line.strip()]
+
+
+def imagenet_classnames() -> list[str]:
+    """The 1,000 open_clip / OpenAI ImageNet class names, in class-index order."""
+    return _read_list(str(DATA_DIR / "imagenet_classnames.json"), "class names")
+
+
+def openai_imagenet_templates() -> list[str]:
+    """The 80 OpenAI ImageNet prompt templates as format strings with one `{}`."""
+    return _read_list(str(DATA_DIR / "openai_imagenet_templates.json"), "templates")
+
+
+def resolve_list(value: Any, default: Callable[[], list[str]], what: str) -> list[str]:
+    """A list as given, a path to a JSON list / text file, or the default when empty."""
+    if value is None or (isinstance(value, (str, list, tuple)) and len(value) == 0):
+        return default()
+    if isinstance(value, str):
+        return _read_list(value, what)
+    return [str(x) for x in value]
+
+
+def prompts(classnames: Sequence[str], templates: Sequence[str]) -> list[str]:
+    """Class-major prompt list [C * T]: prompt c * T + t = templates[t].format(classnames[c])."""
+    return [t.format(c) for c in classnames for t in templates]
+
+
+# ----------------------------------------------------------------------------- pure functions
+def class_embeddings(text_mu: np.ndarray, text_logvar: np.ndarray, n_classes: int,
+                     n_templates: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt ensemble (REFERENCE §3.1/§3.2; paper §4.2).
+
+    text_mu [C*T, D] (unit norm), text_logvar [C*T, D], class-major (see `prompts`) ->
+    (class mu [C, D] = normalise(mean_t mu_{c,t}), class sigma^2 [C, D] = mean_t exp(logvar)).
+    """
+    mu = np.asarray(text_mu, np.float64).reshape(n_classes, n_templates, -1).mean(1)
+    mu /= np.maximum(np.linalg.norm(mu, axis=-1, keepdims=True), 1e-12)
+    sigma2 = np.exp(np.asarray(text_logvar, np.float64)).reshape(n_classes, n_templates, -1).mean(1)
+    return mu, sigma2
+
+
+def zeroshot_logits(image_mu: np.ndarray, class_mu: np.ndarray,
+                    class_sigma2: np.ndarray | None = None, kind: str = "dot") -> np.ndarray:
+    """image_mu [N, D], class_mu [C, D], class_sigma2 [C, D] -> logits [N, C].
+
+    "dot": 100 mu_img . mu_c; "csd": 100 mu_img . mu_c - 50 sum_d sigma2_c (REFERENCE §3.2).
+    """
+    logits = 100.0 * np.asarray(image_mu, np.float64) @ np.asarray(class_mu, np.float64).T
+    if kind == "dot":
+        return logits
+    if kind != "csd":
+        raise ValueError(f"unknown score kind {kind!r}; use 'dot' or 'csd'")
+    if class_sigma2 is None:
+        raise ValueError("csd scores need the class sigma^2")
+    return logits - 50.0 * np.sum(class_sigma2, -1)[None, :]
+
+
+def label_rank(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Rank [N] of the true class in each row (0 = top), ties broken towards the lower class
+    index as a stable sort of -logits would (so a constant classifier is not rewarded)."""
+    logits = np.asarray(logits)
+    labels = np.asarray(labels)
+    true = logits[np.arange(len(labels)), labels][:, None]
+    cls = np.arange(logits.shape[1])[None, :]
+    return np.sum((logits > true) | ((logits == true) & (cls < labels[:, None])), 1)
+
+
+def topk_correct(logits: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
+    """bool [N]: the true label is among the k highest logits."""
+    return label_rank(logits, labels) < k
+
+
+def topk_accuracy(logits: np.ndarray, labels: np.ndarray, k: int) -> float:
+    """Fraction of rows whose true label is among the k highest logits [N, C]."""
+    return float(np.mean(topk_correct(logits, labels, k)))
+
+
+def ranks(image_mu: np.ndarray, labels: np.ndarray, class_mu: np.ndarray,
+          class_sigma2: np.ndarray, kind: str, block: int = 4096) -> np.ndarray:
+    """True-label rank [N] in image blocks, so N x C logits never sit in memory at once."""
+    return np.concatenate([
+        label_rank(zeroshot_logits(image_mu[s:s + block], class_mu, class_sigma2, kind),
+                   labels[s:s + block]) for s in range(0, len(image_mu), block)] or [np.zeros(0, int)])
+
+
+# ----------------------------------------------------------------------------- image sources
+def _get(config: Any, key: str, default: Any = None) -> Any:
+    value = config.get(key, default) if hasattr(config, "get") else getattr(config, key, default)
+    return default if value is None else value
+
+
+def read_class_index(path: str) -> dict[str, int]:
+    """class_dir -> index from a JSON dict / list, a Keras-style JSON or a text file."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"class-index file {path!r} does not exist")
+    if not path.endswith(".json"):
+        return {name: i for i, name in enumerate(_read_list(path, "class-index"))}
+    with open(path) as f:
+        raw = json.load(f)
+    if isinstance(raw, list):
+        return {str(name): i for i, name in enumerate(raw)}
+    if all(isinstance(v, (list, tuple)) for v in raw.values()):   # {"0": ["n01440764", "tench"]}
+        return {str(v[0]): int(k) for k, v in raw.items()}
+    return {str(k): int(v) for k, v in raw.items()}
+
+
+def imagefolder_files(root: str, split: str, class_index: str = "") -> tuple[list[str], np.ndarray]:
+    """(image paths, labels int32 [N]) of <root>/<split>/<class_dir>/*.<image extension>."""
+    base = os.path.join(root, split)
+    if not os.path.isdir(base):
+        raise FileNotFoundError(f"ImageFolder split directory {base!r} does not exist")
+    dirs = sorted(d for d in os.listdir(base) if os.path.isdir(os.path.join(base, d)))
+    index = read_class_index(class_index) if class_index else {d: i for i, d in enumerate(dirs)}
+    unknown = [d for d in dirs if d not in index]
+    if unknown:
+        raise ValueError(f"class dirs {unknown[:5]} of {base!r} are not in the class index")
+    files, labels = [], []
+    for d in dirs:
+        for name in sorted(os.listdir(os.path.join(base, d))):
+            if name.lower().endswith(IMAGE_EXTENSIONS):
+                files.append(os.path.join(base, d, name))
+                labels.append(index[d])
+    if not files:
+        raise FileNotFoundError(f"no images under {base!r}")
+    return files, np.asarray(labels, np.int32)
+
+
+def _decode(data: Any, size: int, where: str) -> np.ndarray:
+    """Encoded bytes or a decoded uint8 array -> uint8 [size, size, 3] (the eval transform)."""
+    from input_pipeline.decode import load_rgb
+    from input_pipeline.records import Skip
+    from input_pipeline.transforms import eval_transform
+    img = load_rgb(data, max_pixels=1 << 31, min_side=1, needed_short_side=size)
+    if isinstance(img, Skip):
+        raise ValueError(f"cannot decode image {where}: {img}")
+    return eval_transform(img, size)
+
+
+def _load_file(path: str, size: int) -> np.ndarray:
+    with open(path, "rb") as f:
+        return _decode(f.read(), size, path)
+
+
+class ImageSource:
+    """Images of one zero-shot set as uint8 chunks, and its labels int32 [N]."""
+
+    def __init__(self, config: Any, image_size: int):
+        self.size = image_size
+        self.kind = _get(config, "dataset", "demo")
+        self.threads = int(_get(config, "num_threads", 8))
+        limit = int(_get(config, "num_images", 0))
+        self.demo_task: dict[str, Any] | None = None
+        if self.kind == "demo":
+            from input_pipeline.demo import get_demo
+            self.demo = get_demo(**dict(_get(config, "demo", {})))
+            task = _get(config, "task", "object")
+            if task not in self.demo.zeroshot_tasks:
+                raise ValueError(f"unknown demo task {task!r}; known: {sorted(self.demo.zeroshot_tasks)}")
+            self.demo_task = dict(self.demo.zeroshot_tasks[task], name=task)
+            split = self.demo.load_split("zeroshot", image_size=image_size, image_dtype="uint8")
+            self._images = split["image"]
+            self.labels = split[self.demo_task["label_key"]].astype(np.int32)
+        elif self.kind == "imagefolder":
+            root = _get(config, "root", "")
+            if not root:
+                raise ValueError("dataset='imagefolder' needs config.root")
+            self._files, self.labels = imagefolder_files(root, _get(config, "split", "val"),
+                                                         _get(config, "class_index", ""))
+        elif self.kind == "tfds":
+            try:
+                import tensorflow_datasets as tfds
+            except ImportError as e:
+                raise ImportError("dataset='tfds' needs tensorflow_datasets installed") from e
+            data_dir = _get(config, "data_dir", "") or None
+            if data_dir is not None and not os.path.isdir(data_dir):
+                raise FileNotFoundError(f"tfds data_dir {data_dir!r} does not exist")
+            split = _get(config, "tfds_split", "validation")
+            try:   # undecoded JPEG bytes: decoded here with the pipeline's draft-mode loader
+                self._tfds = tfds.data_source("imagenet2012", split=split, data_dir=data_dir,
+                                              download=False,
+                                              decoders={"image": tfds.decode.SkipDecoding()})
+            except Exception as e:  # pylint: disable=broad-except
+                raise FileNotFoundError(f"tfds imagenet2012 ({split}) is not prepared under "
+                                        f"{data_dir or 'the default data_dir'}: {e}") from e
+            n = len(self._tfds) if not limit else min(limit, len(self._tfds))
+            self.labels = None   # read along with the images (a record holds both)
+            self._n = n
+        else:
+            raise ValueError(f"unknown zero-shot dataset {self.kind!r}; use demo | imagefolder | tfds")
+        if limit and self.labels is not None:
+            self.labels = self.labels[:limit]
+
+    def __len__(self) -> int:
+        return self._n if self.labels is None else len(self.labels)
+
+    def chunks(self, chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(uint8 images [<=chunk, S, S, 3], labels int32 [<=chunk]) in order."""
+        n = len(self)
+        if self.kind == "demo":
+            for s in range(0, n, chunk):
+                yield self._images[s:min(s + chunk, n)], self.labels[s:min(s + chunk, n)]
+            return
+        with concurrent.futures.ThreadPoolExecutor(self.threads) as pool:
+            for s in range(0, n, chunk):
+                idx = range(s, min(s + chunk, n))
+                if self.kind == "imagefolder":
+                    images = list(pool.map(lambda i: _load_file(self._files[i], self.size), idx))
+                    yield np.stack(images), self.labels[s:s + len(images)]
+                else:
+                    recs = list(pool.map(lambda i: self._tfds[i], idx))
+                    images = list(pool.map(lambda r: _decode(r[1]["image"], self.size, f"tfds #{r[0]}"),
+                                           zip(idx, recs)))
+                    yield np.stack(images), np.asarray([r["label"] for r in recs], np.int32)
+
+
+# ----------------------------------------------------------------------------- the evaluator
+class Evaluator:
+    """Zero-shot classification of one image set (see the module docstring for config keys)."""
+
+    def __init__(self, config: Any, model: Any, tokenizer: Callable[[Sequence[str]], np.ndarray] | None = None):
+        self.config = config
+        self.model = model
+        self.image_size = int(_get(config, "image_size", model.config.vision.image_size))
+        self.source = ImageSource(config, self.image_size)
+        task = self.source.demo_task
+        self.name = _get(config, "name", task["name"] if task else "imagenet")
+        self.classnames = resolve_list(_get(config, "classnames"),
+                                       (lambda: list(task["classnames"])) if task else imagenet_classnames,
+                                       "class names")
+        self.templates = resolve_list(_get(config, "templates"),
+                                      (lambda: list(task["templates"])) if task else openai_imagenet_templates,
+                                      "templates")
+        context = model.config.text.context_length
+        if tokenizer is None:
+            if task is not None:
+                tokenizer = self.source.demo.tokenizer(context)
+            else:
+                from input_pipeline.tokenizers import build_tokenizer
+                kw = dict(_get(config, "tokenizer", {}))
+                if not kw.get("path"):
+                    raise ValueError("pass a tokenizer or set config.tokenizer (kind, path)")
+                kw.setdefault("context_length", context)
+                tokenizer = build_tokenizer(**kw)
+        self.tokenizer = tokenizer
+        self.encoder = common.Encoder(model, int(_get(config, "batch_size", 256)),
+                                      _get(config, "normalization", "openai"))
+        bprw = _get(config, "bprw", ())
+        self.bprw = [bprw] if isinstance(bprw, str) or hasattr(bprw, "keys") else list(bprw)
+        self.bprw_only = bool(_get(config, "bprw_only", False))
+        self.out_dir = _get(config, "out_dir", "")
+
+    def encode(self, params: Any, progress: Callable[[int], None] | None = None
+               ) -> dict[str, np.ndarray]:
+        """{"text_mu", "text_logvar" [C*T, D], "image_mu", "image_logvar" [N, D], "label" [N]}."""
+        tokens = self.tokenizer(prompts(self.classnames, self.templates))
+        text_mu, text_lv = self.encoder.texts(params, tokens)
+        mus, lvs, labels = [], [], []
+        for images, lab in self.source.chunks(8 * self.encoder.batch_size):
+            mu, lv = self.encoder.images(params, images, progress)
+            mus.append(mu)
+            lvs.append(lv)
+            labels.append(lab)
+        d = text_mu.shape[-1]
+        label = np.concatenate(labels) if labels else np.zeros(0, np.int32)
+        if label.size and (label.max() >= len(self.classnames) or label.min() < 0):
+            raise ValueError(f"labels span {label.min()}..{label.max()} but there are "
+                             f"{len(self.classnames)} class names")
+        return {"text_mu": text_mu, "text_logvar": text_lv,
+                "image_mu": np.concatenate(mus) if mus else np.zeros((0, d), np.float32),
+                "image_logvar": np.concatenate(lvs) if lvs else np.zeros((0, d), np.float32),
+                "label": label}
+
+    def run(self, params: Any, progress: Callable[[int], None] | None = None
+            ) -> Iterator[tuple[str, float]]:
+        enc = self.encode(params, progress)
+        n_cls, n_tpl = len(self.classnames), len(self.templates)
+        class_mu, class_s2 = class_embeddings(enc["text_mu"], enc["text_logvar"], n_cls, n_tpl)
+        img_mu, labels = enc["image_mu"], enc["label"]
+        pre = f"zeroshot/{self.name}"
+        if not self.bprw_only:
+            unc = common.uncertainty(enc["image_logvar"])
+            for kind in ("dot", "csd"):
+                rank = ranks(img_mu, labels, class_mu, class_s2, kind)
+                yield f"{pre}/top1_{kind}", float(np.mean(rank < 1))
+                yield f"{pre}/top5_{kind}", float(np.mean(rank < 5))
+                # 10 bins (fewer only for sets of < 10 images, which would leave bins empty)
+                accs, corr = common.binned_accuracy((rank < 1).astype(np.float64), unc,
+                                                    bins=max(1, min(10, len(rank))))
+                for i, a in enumerate(accs):
+                    yield f"{pre}/unc_bin{i}_top1_{kind}", float(a)
+                yield f"{pre}/unc_corr_{kind}", float(corr)
+            yield f"{pre}/image_unc_mean", float(unc.mean())
+            yield f"{pre}/text_unc_mean", float(common.uncertainty(enc["text_logvar"]).mean())
+        for setting in self.bprw:
+            yield from self._bprw(setting, enc, class_mu, class_s2)
+
+    def _bprw(self, setting: Any, enc: dict[str, np.ndarray], class_mu: np.ndarray,
+              class_s2: np.ndarray) -> Iterator[tuple[str, float]]:
+        """BPRW (REFERENCE §3.2) for one setting: accuracy with / without re-weighting."""
+        cfg = prompt_reweighting.parse_config(setting)
+        mode = setting if setting in ("nn", "fewshot") else cfg.spec + ("-gt" if cfg.use_gt else "")
+        n_cls, n_tpl = len(self.classnames), len(self.templates)
+        text_mu = enc["text_mu"].reshape(n_cls, n_tpl, -1).astype(np.float64)
+        text_s2 = np.exp(enc["text_logvar"].reshape(n_cls, n_tpl, -1).astype(np.float64))
+        img_mu, labels = enc["image_mu"], enc["label"]
+        weights, info = prompt_reweighting.bprw_weights(
+            text_mu, text_s2, img_mu, enc["image_logvar"], cfg, labels=labels,
+            seed=int(_get(self.config, "bprw_seed", 0)))
+        new_mu, new_s2 = prompt_reweighting.reweighted_classifier(weights, text_mu, text_s2)
+        pre = f"bprw/{self.name}/{mode}"
+        if cfg.use_gt and _get(self.config, "bprw_exclude_support", False):
+            # score only images that were not used as few-shot examples (the reference scores
+            # the whole set, support images included)
+            keep = np.ones(len(labels), bool)
+            keep[info["images"].ravel()] = False
+            img_mu, labels = img_mu[keep], labels[keep]
+        for kind in ("dot", "csd"):
+            yield f"{pre}/top1_{kind}_base", float(np.mean(ranks(img_mu, labels, class_mu, class_s2, kind) < 1))
+            yield f"{pre}/top1_{kind}", float(np.mean(ranks(img_mu, labels, new_mu, new_s2, kind) < 1))
+        for key, value in prompt_reweighting.weight_stats(weights).items():
+            yield f"{pre}/{key}", value
+        yield f"{pre}/em_iterations", float(info["iterations"].mean())
+        if self.out_dir:
+            prompt_reweighting.save_weights(self.out_dir, f"bprw_{self.name}_{mode}", weights,
+                                            self.classnames, self.templates, cfg)
