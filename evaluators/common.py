@@ -7,6 +7,7 @@ returns float32 numpy arrays.
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable, Iterator
 
@@ -79,6 +80,16 @@ class Encoder:
         return np.concatenate(mus), np.concatenate(lvs)
 
 
+@functools.partial(jax.jit, static_argnames="kind")
+def _scores(q_mu: jax.Array, q_lv: jax.Array, g_mu: jax.Array, g_tr: jax.Array, kind: str) -> jax.Array:
+    dot = q_mu @ g_mu.T
+    if kind == "dot":
+        return dot
+    # -CSD = -(|q - g|^2 + tr(S_q) + tr(S_g)), paper eq. 2 / PCME++.
+    sq = jnp.sum(q_mu ** 2, -1)[:, None] + jnp.sum(g_mu ** 2, -1)[None, :] - 2.0 * dot
+    return -(sq + jnp.sum(jnp.exp(q_lv), -1)[:, None] + g_tr[None, :])
+
+
 def blocked_scores(query_mu: np.ndarray, query_logvar: np.ndarray, gallery_mu: np.ndarray,
                    gallery_logvar: np.ndarray, kind: str = "csd", block: int = 4096,
                    reduce: Callable[[np.ndarray, int], Any] | None = None) -> Iterator[tuple[int, Any]]:
@@ -86,24 +97,22 @@ def blocked_scores(query_mu: np.ndarray, query_logvar: np.ndarray, gallery_mu: n
 
     kind: "csd" -> -CSD (higher is closer; the ranking of the paper's protocol), "dot" -> mu.mu.
     Yields (start row, reduce(scores [b, M], start) or the scores themselves) so that
-    5k x 25k (and larger) never has to sit in memory at once.
+    5k x 25k (and larger) never has to sit in memory at once. The last block is padded, so one
+    compiled program serves every block of a given gallery size.
     """
-    g_mu = jnp.asarray(gallery_mu)
-    g_tr = jnp.sum(jnp.exp(jnp.asarray(gallery_logvar)), -1)
-
-    @jax.jit
-    def score(q_mu, q_lv):
-        dot = q_mu @ g_mu.T
-        if kind == "dot":
-            return dot
-        # -CSD = -(|q|^2 + |g|^2 - 2 q.g) - tr(S_q) - tr(S_g)  (unit mu: -(2 - 2 q.g) - ...)
-        sq = jnp.sum(q_mu ** 2, -1)[:, None] + jnp.sum(g_mu ** 2, -1)[None, :] - 2.0 * dot
-        return -(sq + jnp.sum(jnp.exp(q_lv), -1)[:, None] + g_tr[None, :])
-
     if kind not in ("csd", "dot"):
         raise ValueError(f"unknown score kind {kind!r}; use 'csd' or 'dot'")
-    for start in range(0, len(query_mu), block):
-        s = np.asarray(score(jnp.asarray(query_mu[start:start + block]), jnp.asarray(query_logvar[start:start + block])))
+    g_mu = jnp.asarray(gallery_mu)
+    g_tr = jnp.sum(jnp.exp(jnp.asarray(gallery_logvar)), -1)
+    n = len(query_mu)
+    block = max(1, min(block, n))
+    for start in range(0, n, block):
+        q_mu, q_lv = query_mu[start:start + block], query_logvar[start:start + block]
+        k = len(q_mu)
+        if k < block:
+            q_mu = np.concatenate([q_mu, np.repeat(q_mu[-1:], block - k, axis=0)])
+            q_lv = np.concatenate([q_lv, np.repeat(q_lv[-1:], block - k, axis=0)])
+        s = np.asarray(_scores(jnp.asarray(q_mu), jnp.asarray(q_lv), g_mu, g_tr, kind))[:k]
         yield start, (reduce(s, start) if reduce is not None else s)
 
 
