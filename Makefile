@@ -10,7 +10,7 @@ TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
 # The stamp is rebuilt when the dependency lists change.
 $(VENV)/.installed: setup.cfg pyproject.toml requirements/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c requirements/constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q -c requirements/constraints.txt -e '.[dev,eval]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -35,6 +35,7 @@ class Encoder:
         self.batch_size = max(n, batch_size // n * n)  # divisible over the devices
         self.normalization = normalization
         self.last_throughput = 0.0
+        self._placed = None  # (params given, params placed on this encoder's devices)
         shard = NamedSharding(self.mesh, P("batch"))
         self._shard = shard
 
@@ -59,7 +60,21 @@ class Encoder:
               ) -> tuple[np.ndarray, np.ndarray]:
         return self._run(self._text_fn, params, np.asarray(tokens, np.int32), progress)
 
+    def place(self, params: Any) -> Any:
+        """Parameters on this encoder's devices: replicated, unless already spread over exactly
+        them (e.g. the trainer's sharded state on the same host's devices)."""
+        if self._placed is not None and self._placed[0] is params:
+            return self._placed[1]
+        devices = set(self.mesh.devices.flat)
+        leaves = jax.tree.leaves(params)
+        placed = params
+        if not all(isinstance(x, jax.Array) and x.sharding.device_set == devices for x in leaves):
+            placed = jax.device_put(params, NamedSharding(self.mesh, P()))
+        self._placed = (params, placed)
+        return placed
+
     def _run(self, fn, params, x: np.ndarray, progress) -> tuple[np.ndarray, np.ndarray]:
+        params = self.place(params)
         n, bs = len(x), self.batch_size
         mus, lvs = [], []
         start = time.perf_counter()

@@ -1,0 +1,311 @@
+"""Evaluate any checkpoint offline with the evaluators of an eval config.
+
+    python scripts/evaluate.py --checkpoint CKPT --config configs/eval/demo.py --out DIR
+    python scripts/evaluate.py --checkpoint HF_DIR --config configs/eval/demo.py:evals=uncertainty --out DIR
+
+CKPT is a prolip_jax checkpoint directory or a Hugging Face folder (config.json +
+model.safetensors), loaded with `prolip_jax.load`. The config file defines `get_config(arg)`
+(arg after ':') with `evals.<name> = dict(type="zeroshot" | "retrieval" | "uncertainty", ...)`
+(big_vision style; `log_steps` is ignored here; `prefix` is prepended to the metric names, as
+in training; the evaluators already name theirs "<type>/<dataset>/...").
+
+Writes
+    DIR/results.json      {"<prefix><metric>": value, ..., "<name>/seconds": wall time,
+                          "throughput/images_per_second": ...} (atomic; non-finite -> null)
+    DIR/<name>_*.png      sigma^2 histograms per modality, sigma^2 vs caption length, sigma^2 by
+                          caption level (from the uncertainty evaluator's `collect`); accuracy
+                          per uncertainty bin from metrics named ".../unc_bin<i>_<what>" (the
+                          zeroshot evaluator), or from `collect` arrays "bin_accuracy" [B] or
+                          "correct" [N] + "uncertainty" [N].
+
+Evaluator contract: `Evaluator(config, model, tokenizer=None)`, `run(params)` yields (name, value).
+Optional: `collect(params[, progress])` -> dict of numpy arrays and `summarize(arrays)` yielding
+the same metrics as `run` (then `run` is not called: no work twice), `encoder` (an
+`evaluators.common.Encoder`, reused for the throughput measurement).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python scripts/evaluate.py` from anywhere: find evaluators/
+    sys.path.insert(0, str(ROOT))
+
+EVAL_KEYS = ("type", "log_steps", "prefix")  # settings, not evaluator config (as prolip_jax.train)
+
+
+def load_config(spec: str) -> Any:
+    """'path/to/config.py[:arg]' -> get_config(arg) (big_vision style)."""
+    path, _, arg = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location(f"_eval_config_{Path(path).stem}", path)
+    if module_spec is None or not Path(path).is_file():
+        raise FileNotFoundError(f"config file {path} not found")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(arg or None)
+
+
+def import_evaluators(evals: dict[str, dict], skip_missing: bool) -> dict[str, tuple[Any, dict]]:
+    """{name: (evaluators.<type> module, settings)}; a type that fails to import is an error
+    naming the evaluator, its module and the cause (or a warning with --skip_missing)."""
+    out = {}
+    for name, ecfg in evals.items():
+        kind = ecfg.get("type")
+        try:
+            module = importlib.import_module(f"evaluators.{kind}")
+            getattr(module, "Evaluator")
+        except (ImportError, AttributeError) as e:
+            msg = (f"config.evals.{name}: evaluator type {kind!r} could not be imported from "
+                   f"evaluators/{kind}.py ({type(e).__name__}: {e})")
+            if skip_missing:
+                print(f"warning: {msg}; skipped", file=sys.stderr)
+                continue
+            raise SystemExit(f"error: {msg}. Use --skip_missing to run the others.")
+        out[name] = (module, {"prefix": ecfg.get("prefix", "")})
+    return out
+
+
+def _accepts(fn: Any, arg: str) -> bool:
+    try:
+        return arg in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def run_evaluator(evaluator: Any, params: Any, name: str) -> tuple[dict[str, Any], dict | None]:
+    """-> (metrics, collected arrays or None), with a per-item progress bar when supported."""
+    from tqdm import tqdm
+
+    with tqdm(desc=f"  {name}", unit="item", leave=False, file=sys.stderr) as bar:
+        if hasattr(evaluator, "collect") and hasattr(evaluator, "summarize"):
+            kw = {"progress": bar.update} if _accepts(evaluator.collect, "progress") else {}
+            arrays = evaluator.collect(params, **kw)
+            return dict(evaluator.summarize(arrays)), arrays
+        kw = {"progress": bar.update} if _accepts(evaluator.run, "progress") else {}
+        metrics = dict(evaluator.run(params, **kw))
+        arrays = evaluator.collect(params) if hasattr(evaluator, "collect") else None
+        return metrics, arrays
+
+
+def image_throughput(encoder: Any, params: Any, image_size: int, batches: int = 2) -> float:
+    """Images/s of a compiled, sharded image encoder on random inputs (one warm-up batch)."""
+    import numpy as np
+
+    x = np.random.default_rng(0).standard_normal((encoder.batch_size, image_size, image_size, 3),
+                                                 dtype=np.float32)
+    encoder.images(params, x)  # compile (or reuse) outside the timing
+    x = np.concatenate([x] * batches)
+    start = time.perf_counter()
+    encoder.images(params, x)
+    return len(x) / (time.perf_counter() - start)
+
+
+def _jsonable(v: Any) -> Any:
+    import numpy as np
+
+    if isinstance(v, (np.ndarray, list, tuple)):
+        return [_jsonable(x) for x in np.asarray(v).tolist()]
+    if isinstance(v, (np.integer, int)) and not isinstance(v, bool):
+        return int(v)
+    if isinstance(v, (np.floating, float)):
+        return float(v) if math.isfinite(v) else None
+    return v
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+# ------------------------------------------------------------------------------ plots
+def plot_uncertainty(arrays: dict, out: Path, name: str, plt: Any) -> list[Path]:
+    """sigma^2 histograms per modality, sigma^2 vs caption length, sigma^2 by level (§4.3)."""
+    import numpy as np
+
+    written = []
+    img, txt = np.asarray(arrays["image_sigma2"]), np.asarray(arrays["text_sigma2"])
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for ax, values, label in ((axes[0], img, "image"), (axes[1], txt.ravel(), "text")):
+        ax.hist(values, bins=30, color="tab:blue" if label == "image" else "tab:orange")
+        ax.set_xlabel(r"$\sigma^2$ = tr($\Sigma$)")
+        ax.set_ylabel("count")
+        ax.set_title(f"{label} ({len(values)})")
+        ax.tick_params(axis="x", labelrotation=30)
+    written.append(_save(fig, out / f"{name}_sigma2_hist.png", plt))
+
+    length = np.asarray(arrays["text_length"]).ravel()
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.scatter(length, txt.ravel(), s=6, alpha=0.5)
+    lengths = np.unique(length)
+    ax.plot(lengths, [np.median(txt.ravel()[length == n]) for n in lengths], "k-", label="median")
+    ax.set_xlabel("caption length (tokens)")
+    ax.set_ylabel(r"text $\sigma^2$")
+    ax.legend()
+    written.append(_save(fig, out / f"{name}_sigma2_vs_length.png", plt))
+
+    if txt.ndim == 2 and txt.shape[1] > 1:  # Fig. 7: sigma_t^2 by caption level
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.boxplot([txt[:, i] for i in range(txt.shape[1])])
+        ax.set_xticks(range(1, txt.shape[1] + 1), [str(i) for i in range(txt.shape[1])])
+        ax.set_xlabel("caption level (0: most general)")
+        ax.set_ylabel(r"text $\sigma^2$")
+        written.append(_save(fig, out / f"{name}_sigma2_by_level.png", plt))
+    return written
+
+
+BIN_METRIC = re.compile(r"^(?P<group>.*)/unc_bin(?P<bin>\d+)_(?P<what>\w+)$")
+
+
+def binned_from_metrics(metrics: dict[str, Any]) -> dict[str, list[float]]:
+    """{"<group>/<what>": accuracies by bin} from metrics named "<group>/unc_bin<i>_<what>"."""
+    found: dict[str, dict[int, float]] = {}
+    for key, value in metrics.items():
+        m = BIN_METRIC.match(key)
+        if m:
+            found.setdefault(f"{m['group']}/{m['what']}", {})[int(m["bin"])] = float(value)
+    return {k: [v[i] for i in sorted(v)] for k, v in found.items()}
+
+
+def binned_from_arrays(arrays: dict) -> list[float] | None:
+    import numpy as np
+
+    if "bin_accuracy" in arrays:
+        return np.asarray(arrays["bin_accuracy"], np.float64).tolist()
+    if "correct" in arrays and "uncertainty" in arrays:
+        from evaluators.common import binned_accuracy
+
+        return binned_accuracy(np.asarray(arrays["correct"]), np.asarray(arrays["uncertainty"]))[0].tolist()
+    return None
+
+
+def plot_binned_accuracy(series: dict[str, list[float]], path: Path, plt: Any) -> Path:
+    """Accuracy per image-uncertainty bin (REFERENCE §3.1), one line per metric group."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    for label, acc in series.items():
+        ax.plot(range(len(acc)), acc, "o-", label=label)
+    ax.set_xlabel("image uncertainty bin (0: least uncertain)")
+    ax.set_ylabel("accuracy")
+    ax.legend(fontsize=7)
+    return _save(fig, path, plt)
+
+
+def _save(fig: Any, path: Path, plt: Any) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def make_plots(collected: dict[str, dict], kinds: dict[str, str], metrics: dict[str, dict],
+               out: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("warning: matplotlib is not installed; no plots written", file=sys.stderr)
+        return []
+    written = []
+    for name, kind in kinds.items():
+        arrays = collected.get(name) or {}
+        if "image_sigma2" in arrays:
+            written += plot_uncertainty(arrays, out, name, plt)
+        series = binned_from_metrics(metrics.get(name, {}))
+        from_arrays = binned_from_arrays(arrays)
+        if from_arrays is not None:
+            series[name] = from_arrays
+        if series:
+            written.append(plot_binned_accuracy(series, out / f"{name}_accuracy_by_uncertainty.png", plt))
+    return written
+
+
+# ------------------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="prolip_jax CKPT directory or Hugging Face folder")
+    p.add_argument("--config", required=True, help="eval config file[:arg], e.g. configs/eval/demo.py")
+    p.add_argument("--out", required=True, help="output directory (results.json, *.png)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--only", default="", help="comma-separated evaluator names to run (default: all)")
+    p.add_argument("--skip_missing", action="store_true",
+                   help="skip evaluator types that fail to import instead of stopping")
+    p.add_argument("--no_plots", action="store_true")
+    args = p.parse_args(argv)
+
+    config = load_config(args.config)
+    evals = {k: (v.to_dict() if hasattr(v, "to_dict") else dict(v)) for k, v in config.evals.items()}
+    if args.only:
+        wanted = args.only.split(",")
+        missing = sorted(set(wanted) - set(evals))
+        if missing:
+            raise SystemExit(f"error: --only names {missing} not in config.evals ({sorted(evals)})")
+        evals = {k: evals[k] for k in wanted}
+    modules = import_evaluators(evals, args.skip_missing)  # fail before the (slow) load
+    if not modules:
+        raise SystemExit("error: no evaluator to run")
+
+    import prolip_jax
+    from tqdm import tqdm
+
+    model = prolip_jax.load(args.checkpoint, step=args.step)
+    params = model.params  # each evaluator's Encoder places them on its devices
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"loaded {args.checkpoint}: embed_dim {model.config.embed_dim}, image "
+          f"{model.config.vision.image_size}px, context {model.config.text.context_length}")
+
+    results: dict[str, Any] = {}
+    collected: dict[str, dict] = {}
+    per_eval: dict[str, dict] = {}
+    encoder = None
+    for name, (module, settings) in tqdm(modules.items(), desc="evaluators", file=sys.stderr):
+        ecfg = {k: v for k, v in evals[name].items() if k not in EVAL_KEYS}
+        start = time.perf_counter()
+        evaluator = module.Evaluator(ecfg, model.module)
+        metrics, arrays = run_evaluator(evaluator, params, name)
+        results.update({settings["prefix"] + k: v for k, v in metrics.items()})
+        results[f"{name}/seconds"] = time.perf_counter() - start
+        per_eval[name] = metrics
+        if arrays is not None:
+            collected[name] = arrays
+        encoder = encoder or getattr(evaluator, "encoder", None)
+    for k, v in results.items():
+        print(f"  {k}: {v:.6g}" if isinstance(v, float) else f"  {k}: {v}")
+
+    if encoder is None:
+        from evaluators.common import Encoder
+
+        encoder = Encoder(model.module)
+    ips = image_throughput(encoder, params, model.config.vision.image_size)
+    results["throughput/images_per_second"] = ips
+    print(f"image encoding: {ips:.1f} images/s ({encoder.batch_size} per batch, "
+          f"{len(encoder.mesh.devices.ravel())} devices)")
+
+    write_json_atomic(out / "results.json", {k: _jsonable(v) for k, v in results.items()})
+    plots = [] if args.no_plots else make_plots(collected, {n: evals[n]["type"] for n in modules}, per_eval, out)
+    print(f"wrote {out / 'results.json'} ({len(results)} values) and {len(plots)} plots")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
