@@ -47,7 +47,11 @@ def tiny_config(tmp_path, **overrides):
 def runs(tmp_path_factory):
     """Straight 2N steps, and N steps interrupted then resumed for N (same mesh)."""
     tmp = tmp_path_factory.mktemp("train")
-    straight = train.train(tiny_config(tmp), str(tmp / "straight"))
+    cfg = tiny_config(tmp)
+    # In-training evaluation (big_vision style), every 3 steps.
+    cfg.evals.zs = dict(type="zeroshot", log_steps=3, prefix="eval/", dataset="demo", task="object",
+                        demo=dict(cfg.data.demo))
+    straight = train.train(cfg, str(tmp / "straight"))
     interrupted = train.train(tiny_config(tmp), str(tmp / "resumed"), stop_at_step=N)
     resumed = train.train(tiny_config(tmp), str(tmp / "resumed"))
     return tmp, straight, interrupted, resumed
@@ -81,6 +85,8 @@ def test_metrics_contents(runs):
                 "samples_per_s_per_device", "tflops_per_device", "skipped_updates", "data/skipped"):
         assert key in rows[-1], key
     assert rows[0]["lr"] == pytest.approx(1e-3 / 20)  # warm-up: lr * (0 + 1) / 20
+    evals = {r["step"]: v for r in rows for k, v in r.items() if k.startswith("eval/zeroshot/") and k.endswith("/top1_csd")}
+    assert sorted(evals) == [3, 6] and all(0.0 <= v <= 1.0 for v in evals.values())
     assert any((tmp / "straight" / "tb").iterdir())
     assert all(np.isfinite(r["loss"]) for r in rows)
 
