@@ -98,6 +98,9 @@ def validate(config, mesh, mcfg: ProLIPConfig) -> None:
     if not 0 <= config.masking.mask_token_id < mcfg.text.vocab_size:
         raise ValueError(f"masking.mask_token_id={config.masking.mask_token_id} is outside the model's "
                          f"vocabulary of {mcfg.text.vocab_size}")
+    if len(config.evals) and jax.process_count() > 1:
+        raise ValueError("config.evals run on one host's devices; on a multi-host run leave config.evals "
+                         "empty and evaluate checkpoints with scripts/evaluate.py")
     if config.loss.ppcl_impl not in ("dense", "ring"):
         raise ValueError(f"loss.ppcl_impl must be 'dense' or 'ring', got {config.loss.ppcl_impl!r}")
 
