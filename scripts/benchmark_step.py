@@ -97,12 +97,12 @@ def main() -> None:
           f"ppcl {config.loss.ppcl_impl}; remat {config.model.remat}")
     print(f"compile: {compile_s:.1f} s")
     print(f"step: {step_s * 1e3:.1f} ms; {b / step_s:.1f} samples/s ({b / step_s / n:.1f} per device)")
-    print(f"TFLOP/s per device: {flops_lib.tflops_per_device(step_flops, step_s, n):.2f} "
-          f"({step_flops / 1e12:.2f} TFLOP per step); MFU: {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}")
+    print(f"TFLOP/s per device: {flops_lib.tflops_per_device(step_flops, step_s, n):.3g} "
+          f"({step_flops / 1e12:.3g} TFLOP per step); MFU: {'n/a (no peak known for this device)' if mfu is None else f'{100 * mfu:.1f}%'}")
     if mem is not None:
         gib = 1 << 30
-        print(f"compiled memory per device: arguments {mem.argument_size_in_bytes / gib:.2f} GiB, "
-              f"outputs {mem.output_size_in_bytes / gib:.2f} GiB, temporaries {mem.temp_size_in_bytes / gib:.2f} GiB")
+        print(f"compiled memory per device: arguments {mem.argument_size_in_bytes / gib:.3g} GiB, "
+              f"outputs {mem.output_size_in_bytes / gib:.3g} GiB, temporaries {mem.temp_size_in_bytes / gib:.3g} GiB")
     print(f"loss after {args.steps + 1} steps: {float(metrics['loss']):.4f}")
 
 
