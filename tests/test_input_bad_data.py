@@ -10,16 +10,7 @@ from PIL import Image
 
 from input_pipeline import decode, pipeline, synthetic
 from input_pipeline.records import SKIP_REASONS, encode_record
-
-
-class KeyTokenizer:
-    """Stand-in tokenizer: row = [key, 1, 1, 1]; captions start with their integer key."""
-    context_length, vocab_size, pad_id, eos_id = 4, 1 << 30, 1, 1
-
-    def __call__(self, texts):
-        out = np.ones((len(texts), 4), np.int32)
-        out[:, 0] = [int(t.split()[0]) for t in texts]
-        return out
+from conftest import KeyTokenizer
 
 
 TOK = KeyTokenizer()

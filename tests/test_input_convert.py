@@ -11,18 +11,9 @@ import pytest
 from input_pipeline import convert_tar, pipeline, synthetic
 from input_pipeline.records import decode_record
 from input_pipeline.tar_source import iter_shard
+from conftest import KeyTokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class KeyTokenizer:
-    """Stand-in tokenizer: row = [key, 1, 1, 1]; captions start with their integer key."""
-    context_length, vocab_size, pad_id, eos_id = 4, 1 << 30, 1, 1
-
-    def __call__(self, texts):
-        out = np.ones((len(texts), 4), np.int32)
-        out[:, 0] = [int(t.split()[0]) for t in texts]
-        return out
 
 
 @pytest.fixture()

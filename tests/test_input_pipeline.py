@@ -6,19 +6,10 @@ import pytest
 
 from input_pipeline import convert_tar, pipeline, synthetic, transforms
 from input_pipeline.paths import expand_braces, expand_paths
+from conftest import KeyTokenizer
 
 NUM_SHARDS, PER_SHARD = 8, 12
 N = NUM_SHARDS * PER_SHARD
-
-
-class KeyTokenizer:
-    """Stand-in tokenizer: row = [key, 1, 1, 1]; synthetic captions start with their key."""
-    context_length, vocab_size, pad_id, eos_id = 4, 1 << 30, 1, 1
-
-    def __call__(self, texts):
-        out = np.ones((len(texts), 4), np.int32)
-        out[:, 0] = [int(t.split()[0]) for t in texts]
-        return out
 
 
 TOK = KeyTokenizer()
