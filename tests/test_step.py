@@ -92,7 +92,8 @@ def test_key_bias_gradient_is_noise(setup):
     from prolip_jax.models import init_params
 
     params = init_params(model.config, jax.random.key(0))
-    grads = jax.grad(lambda p: losses.prolip_loss({**model.apply({"params": p}, batch["image"], batch["text"])})[0])(params)
+    grads = jax.jit(jax.grad(
+        lambda p: losses.prolip_loss({**model.apply({"params": p}, batch["image"], batch["text"])})[0]))(params)
     for tower in ("visual", "text"):
         kb = np.abs(grads[tower]["transformer"]["resblocks_0"]["attn"]["key_bias"]).max()
         qb = np.abs(grads[tower]["transformer"]["resblocks_0"]["attn"]["query_bias"]).max()

@@ -65,7 +65,8 @@ def init_params(config: ProLIPConfig, rng: jax.Array, **model_kw) -> dict:
     """Float32 parameters with logical-axis boxes removed (see `nn.unbox`)."""
     model = ProLIP(config, **model_kw)
     images, tokens = dummy_inputs(config)
-    return nn.unbox(model.init(rng, images, tokens))["params"]
+    # jit: op-by-op initialisation of even a tiny model takes seconds on CPU.
+    return jax.jit(lambda r: nn.unbox(model.init(r, images, tokens))["params"])(rng)
 
 
 def dummy_inputs(config: ProLIPConfig, batch: int = 1) -> tuple[jax.Array, jax.Array]:
