@@ -286,6 +286,9 @@ def main(argv=None) -> None:
     flags.mark_flags_as_required(["config", "workdir"])
 
     def _main(_):
+        from absl import logging
+
+        logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
         f = flags.FLAGS
         maybe_initialize_distributed(f.coordinator_address, f.num_processes, f.process_id)
         try:
