@@ -26,6 +26,8 @@ Expected time (reference: 32 H100s): about 1.5 days for 1.28B samples seen at B/
 """
 import ml_collections as mlc
 
+from prolip_jax import config_args
+
 _SAMPLES = {"1.28B": 1_280_000_000, "12.8B": 12_800_000_000}
 # Image size and sharding per variant: ViTs from L/16 up shard parameters (FSDP).
 _VARIANTS = {
@@ -37,12 +39,7 @@ _VARIANTS = {
 
 
 def _args(arg):
-    out = dict(variant="B/16", samples="1.28B")
-    for item in filter(None, (arg or "").split(",")):
-        key, _, value = item.partition("=")
-        if key not in out:
-            raise ValueError(f"unknown config arg {key!r}; known: {sorted(out)}")
-        out[key] = value
+    out = config_args.parse(arg, variant="B/16", samples="1.28B")
     if out["variant"] not in _VARIANTS:
         raise ValueError(f"variant must be one of {sorted(_VARIANTS)}, got {out['variant']!r}")
     if out["samples"] not in _SAMPLES:

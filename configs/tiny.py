@@ -14,19 +14,11 @@ For a TPU pod or a GPU cluster see configs/prolip_b16_datacomp.py and scripts/la
 """
 import ml_collections as mlc
 
-
-def _args(arg):
-    out = dict(steps="200", data="demo")
-    for item in filter(None, (arg or "").split(",")):
-        key, _, value = item.partition("=")
-        if key not in out:
-            raise ValueError(f"unknown config arg {key!r}; known: {sorted(out)}")
-        out[key] = value
-    return out
+from prolip_jax import config_args
 
 
 def get_config(arg=None):
-    args = _args(arg)
+    args = config_args.parse(arg, steps="200", data="demo")
     c = mlc.ConfigDict()
     c.seed = 0
     c.total_steps = int(args["steps"])

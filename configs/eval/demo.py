@@ -14,21 +14,13 @@ config), so the same file serves `tiny`, `micro` and full-size models. Expected 
 """
 import ml_collections as mlc
 
+from prolip_jax import config_args
+
 ALL = ("zeroshot", "retrieval", "uncertainty")
 
 
-def _args(arg):
-    out = dict(evals="+".join(ALL), cache_dir="", small="0")
-    for item in filter(None, (arg or "").split(",")):
-        key, _, value = item.partition("=")
-        if key not in out:
-            raise ValueError(f"unknown config arg {key!r}; known: {sorted(out)}")
-        out[key] = value
-    return out
-
-
 def get_config(arg=None):
-    args = _args(arg)
+    args = config_args.parse(arg, evals="+".join(ALL), cache_dir="", small="0")
     # One DemoConfig for all evaluators: they share one generated cache folder. The eval splits
     # are the DemoConfig defaults (1,080 zero-shot, 500 retrieval, 500 hierarchies); the train
     # split is not read here, so a small one keeps the first generation quick.
