@@ -4,20 +4,22 @@
     mu, logvar = model.encode_image(images)     # float32 [N, H, W, 3], already normalised
     mu, logvar = model.encode_text(token_ids)   # int32 [N, L]
 
-mu is L2-normalised and log sigma^2 raw, both float32 [N, D]. Inputs are encoded in
-fixed-size chunks (the last one padded) so any N compiles at most one shape per tower.
+mu is L2-normalised and log sigma^2 raw, both float32 numpy [N, D]. Encoding goes through
+`prolip_jax.encode.Encoder`: fixed-size batches (any N compiles one shape per tower), split
+over this host's devices.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from prolip_jax import checkpoint, convert
+from prolip_jax.encode import Encoder
 from prolip_jax.models.config import ProLIPConfig
 from prolip_jax.models.prolip import ProLIP
 
@@ -31,9 +33,7 @@ class PretrainedProLIP:
 
     def __post_init__(self):
         self.module = ProLIP(self.config, dtype=self.dtype)
-        apply = self.module.apply
-        self._image_fn = jax.jit(lambda p, x: apply({"params": p}, x, method=ProLIP.encode_image))
-        self._text_fn = jax.jit(lambda p, t: apply({"params": p}, t, method=ProLIP.encode_text))
+        self.encoder = Encoder(self.module, batch_size=self.batch_size)
 
     @property
     def logit_scale(self) -> float:
@@ -44,7 +44,7 @@ class PretrainedProLIP:
     def logit_bias(self) -> float:
         return float(self.params["logit_bias"])
 
-    def encode_image(self, images: Any) -> tuple[jax.Array, jax.Array]:
+    def encode_image(self, images: Any) -> tuple[np.ndarray, np.ndarray]:
         """images float [N, H, W, 3] (normalised) -> (mu [N, D] unit-norm, log sigma^2 [N, D])."""
         images = np.asarray(images)
         s = self.config.vision.image_size
@@ -52,9 +52,9 @@ class PretrainedProLIP:
             raise ValueError(f"images must be [N, {s}, {s}, 3] (NHWC, normalised), got {images.shape}")
         if not np.issubdtype(images.dtype, np.floating):
             raise ValueError(f"images must be floating point (already normalised), got {images.dtype}")
-        return self._chunked(self._image_fn, images.astype(np.float32))
+        return self.encoder.images(self.params, images.astype(np.float32))
 
-    def encode_text(self, token_ids: Any) -> tuple[jax.Array, jax.Array]:
+    def encode_text(self, token_ids: Any) -> tuple[np.ndarray, np.ndarray]:
         """token_ids int [N, L], L <= context_length -> (mu [N, D] unit-norm, log sigma^2 [N, D])."""
         tokens = np.asarray(token_ids)
         t = self.config.text
@@ -64,24 +64,7 @@ class PretrainedProLIP:
             raise ValueError(f"token_ids must be integers, got {tokens.dtype}")
         if tokens.size and (tokens.min() < 0 or tokens.max() >= t.vocab_size):
             raise ValueError(f"token ids must lie in [0, {t.vocab_size}), got [{tokens.min()}, {tokens.max()}]")
-        return self._chunked(self._text_fn, tokens.astype(np.int32))
-
-    def _chunked(self, fn: Callable, x: np.ndarray) -> tuple[jax.Array, jax.Array]:
-        n = x.shape[0]
-        if n == 0:
-            e = self.config.embed_dim
-            return jnp.zeros((0, e), jnp.float32), jnp.zeros((0, e), jnp.float32)
-        bs = min(self.batch_size, n)
-        mus, lvs = [], []
-        for start in range(0, n, bs):
-            chunk = x[start:start + bs]
-            pad = bs - chunk.shape[0]
-            if pad:
-                chunk = np.concatenate([chunk, np.repeat(chunk[-1:], pad, axis=0)])
-            mu, lv = fn(self.params, chunk)
-            mus.append(mu[:bs - pad])
-            lvs.append(lv[:bs - pad])
-        return jnp.concatenate(mus), jnp.concatenate(lvs)
+        return self.encoder.texts(self.params, tokens.astype(np.int32))
 
 
 def load(path: str | os.PathLike, dtype: Any = jnp.float32, step: int | None = None,

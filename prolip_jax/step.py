@@ -118,6 +118,11 @@ def merge_microbatches(x: jax.Array, n_shards: int) -> jax.Array:
     return jnp.swapaxes(x, 0, 1).reshape(k * bk, *x.shape[3:])
 
 
+def num_masked_rows(global_batch: int, cfg: StepConfig) -> int:
+    """Rows of the global batch that get a masked forward (`group_rows` of every mask group)."""
+    return global_batch // cfg.mask_group * losses.num_masked(cfg.mask_group, cfg.masked_fraction)
+
+
 def check_batch_layout(global_batch: int, n_shards: int, cfg: StepConfig) -> None:
     """Raises ValueError (before anything compiles) if the batch cannot be laid out as asked."""
     problems = []
@@ -125,12 +130,11 @@ def check_batch_layout(global_batch: int, n_shards: int, cfg: StepConfig) -> Non
         problems.append(f"global batch {global_batch} is not divisible by the {n_shards} data shards")
     else:
         b_shard = global_batch // n_shards
-        m_group = losses.num_masked(cfg.mask_group, cfg.masked_fraction)
         if b_shard % cfg.mask_group:
             problems.append(f"rows per data shard ({b_shard}) must be a multiple of mask_group ({cfg.mask_group})")
-        elif b_shard % cfg.microbatches or (b_shard // cfg.mask_group * m_group) % cfg.microbatches:
+        elif b_shard % cfg.microbatches or num_masked_rows(b_shard, cfg) % cfg.microbatches:
             problems.append(f"rows per data shard ({b_shard}) and its masked rows "
-                            f"({b_shard // cfg.mask_group * m_group}) must divide into {cfg.microbatches} microbatches")
+                            f"({num_masked_rows(b_shard, cfg)}) must divide into {cfg.microbatches} microbatches")
     if problems:
         raise ValueError("; ".join(problems))
 

@@ -26,7 +26,7 @@ from prolip_jax import checkpoint as ckpt_lib
 from prolip_jax import flops as flops_lib
 from prolip_jax import losses, optim, sharding
 from prolip_jax import step as step_lib
-from prolip_jax.data import RandomBatches, StateSnapshot, build_train_data
+from prolip_jax.data import build_train_data
 from prolip_jax.metrics import MetricWriter
 from prolip_jax.models import ProLIP, ProLIPConfig, get_config
 
@@ -196,7 +196,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
 
     # ---- What the user sees ----------------------------------------------------------------
     writer = MetricWriter(str(workdir), config.total_steps, is_chief=is_chief, resume_step=start + 1)
-    m_count = config.batch_size // scfg.mask_group * losses.num_masked(scfg.mask_group, scfg.masked_fraction)
+    m_count = step_lib.num_masked_rows(config.batch_size, scfg)
     step_flops = flops_lib.train_step_flops(mcfg, config.batch_size, image_keep_ratio=scfg.image_keep_ratio,
                                             num_masked=m_count)
     device_kind = jax.devices()[0].device_kind

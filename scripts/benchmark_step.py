@@ -51,7 +51,7 @@ def main() -> None:
     args = p.parse_args()
 
     from prolip_jax import flops as flops_lib
-    from prolip_jax import losses, optim, sharding
+    from prolip_jax import optim, sharding
     from prolip_jax import step as step_lib
     from prolip_jax.models import ProLIP
     from prolip_jax.train import model_config, step_config
@@ -89,7 +89,7 @@ def main() -> None:
     step_s = (time.perf_counter() - t0) / args.steps
 
     n = jax.device_count()
-    m_count = b // scfg.mask_group * losses.num_masked(scfg.mask_group, scfg.masked_fraction)
+    m_count = step_lib.num_masked_rows(b, scfg)
     step_flops = flops_lib.train_step_flops(mcfg, b, image_keep_ratio=scfg.image_keep_ratio, num_masked=m_count)
     kind = jax.devices()[0].device_kind
     mfu = flops_lib.mfu(step_flops, step_s, n, kind, model.dtype)
