@@ -1,11 +1,11 @@
-# prolip_jax: `make test` (what CI runs) and, once the trainer lands, `make demo`.
+# prolip_jax: `make test` (what CI runs) and `make demo` (train + evaluate a small ProLIP on CPU).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 # Eight fake CPU devices so sharding tests run anywhere (no effect on a GPU/TPU host).
 TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
 
-.PHONY: install test test-torch clean
+.PHONY: install test test-torch demo clean
 
 # The stamp is rebuilt when the dependency lists change.
 $(VENV)/.installed: setup.cfg pyproject.toml requirements/constraints.txt
@@ -22,6 +22,13 @@ test: $(VENV)/.installed
 test-torch: $(VENV)/.installed
 	$(PY) -m pip install -q -c requirements/constraints.txt torch==2.13.0
 	$(TEST_ENV) $(PY) -m pytest -q tests -k torch
+
+# The demo: dataset (cached in ~/.cache/prolip_jax or $$PROLIP_JAX_CACHE), training, evaluation,
+# summary table. Rerunning resumes an interrupted run and reuses finished stages.
+DEMO_WORKDIR ?= workdirs/demo
+DEMO_ENV     ?= JAX_PLATFORMS=cpu
+demo: $(VENV)/.installed
+	$(DEMO_ENV) $(PY) scripts/demo.py --workdir $(DEMO_WORKDIR)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

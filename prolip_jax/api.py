@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -30,6 +31,7 @@ class PretrainedProLIP:
     params: Any
     dtype: Any = jnp.float32
     batch_size: int = 256
+    step: int | None = None  # the checkpoint step it was loaded from (None: a Hugging Face folder)
 
     def __post_init__(self):
         self.module = ProLIP(self.config, dtype=self.dtype)
@@ -70,14 +72,20 @@ class PretrainedProLIP:
 def load(path: str | os.PathLike, dtype: Any = jnp.float32, step: int | None = None,
          batch_size: int = 256) -> PretrainedProLIP:
     """Loads a prolip_jax checkpoint directory (CKPT) or a Hugging Face folder (config.json +
-    model.safetensors, e.g. a downloaded `SanghyukChun/ProLIP-ViT-B-16-DC-1B-12_8B`)."""
+    model.safetensors, e.g. a downloaded `SanghyukChun/ProLIP-ViT-B-16-DC-1B-12_8B`), or a
+    training workdir (its `checkpoints/` folder; the latest step unless `step` is given)."""
+    trainer_ckpts = Path(path) / "checkpoints"
+    if not checkpoint.is_checkpoint(path) and checkpoint.is_checkpoint(trainer_ckpts):
+        path = trainer_ckpts
     if convert.is_hf_dir(path):
         params, config = convert.load_hf(path)
         params = jax.device_put(params)
+        step = None
     elif checkpoint.is_checkpoint(path):
-        params, config, _ = checkpoint.load_params(path, step=step)
+        params, config, step = checkpoint.load_params(path, step=step)
     else:
         raise FileNotFoundError(
-            f"{path} is neither a prolip_jax checkpoint (<step>/params + <step>/config) nor a Hugging "
-            f"Face folder ({convert.CONFIG_NAME} + {convert.WEIGHTS_NAME})")
-    return PretrainedProLIP(config, params, dtype=dtype, batch_size=batch_size)
+            f"{path} is neither a prolip_jax checkpoint (<step>/params + <step>/config), a training "
+            f"workdir (checkpoints/<step>/...) nor a Hugging Face folder ({convert.CONFIG_NAME} + "
+            f"{convert.WEIGHTS_NAME})")
+    return PretrainedProLIP(config, params, dtype=dtype, batch_size=batch_size, step=step)

@@ -9,7 +9,8 @@
   TensorFlow needed); non-finite values go to TensorBoard unchanged (it plots them as gaps).
 * prints `[  1200/78800   1.5%] ETA 3h12m | loss 1.234 | lr 5e-04 ...` to stdout, the ETA
   from the wall time per step over the last `eta_window` writes (the interval before the
-  first write, which holds compilation, is never part of it).
+  first write, which holds compilation, is never part of it). Per-reason skip counters
+  ("data/skipped/<reason>") are left off the line while they are 0: they stay in the files.
 
 Resume: `resume_step=N` drops the lines of an earlier run with step >= N (the file is
 rewritten atomically, so a crash cannot lose the good lines) and asks TensorBoard to purge
@@ -184,7 +185,8 @@ class MetricWriter:
         sps = self.seconds_per_step()
         eta = "?" if sps is None else format_duration(sps * max(self.total_steps - step, 0))
         parts = [f"[{step:>{width}d}/{self.total_steps} {100.0 * step / total:5.1f}%] ETA {eta}"]
-        parts += [f"{k} {v}" if isinstance(v, int) else f"{k} {v:.4g}" for k, v in values.items()]
+        parts += [f"{k} {v}" if isinstance(v, int) else f"{k} {v:.4g}" for k, v in values.items()
+                  if not ("/skipped/" in k and v == 0)]
         return " | ".join(parts)
 
     def close(self) -> None:

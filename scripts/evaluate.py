@@ -11,7 +11,8 @@ in training; the evaluators already name theirs "<type>/<dataset>/...").
 
 Writes
     DIR/results.json      {"<prefix><metric>": value, ..., "<name>/seconds": wall time,
-                          "throughput/images_per_second": ...} (atomic; non-finite -> null)
+                          "throughput/images_per_second": ..., "checkpoint/step": N (prolip_jax
+                          checkpoints)} (atomic; non-finite -> null)
     DIR/<name>_*.png      sigma^2 histograms per modality, sigma^2 vs caption length, sigma^2 by
                           caption level (from the uncertainty evaluator's `collect`); accuracy
                           per uncertainty bin from metrics named ".../unc_bin<i>_<what>" (the
@@ -253,28 +254,38 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     config = load_config(args.config)
+    only = args.only.split(",") if args.only else None
+    evaluate(args.checkpoint, config, Path(args.out), step=args.step, only=only,
+             skip_missing=args.skip_missing, plots=not args.no_plots)
+    return 0
+
+
+def evaluate(checkpoint: str, config: Any, out: Path, step: int | None = None,
+             only: list[str] | None = None, skip_missing: bool = False,
+             plots: bool = True) -> dict[str, Any]:
+    """Runs `config.evals` on a checkpoint, writes out/results.json (+ plots); returns the results."""
     evals = {k: (v.to_dict() if hasattr(v, "to_dict") else dict(v)) for k, v in config.evals.items()}
-    if args.only:
-        wanted = args.only.split(",")
-        missing = sorted(set(wanted) - set(evals))
+    if only:
+        missing = sorted(set(only) - set(evals))
         if missing:
             raise SystemExit(f"error: --only names {missing} not in config.evals ({sorted(evals)})")
-        evals = {k: evals[k] for k in wanted}
-    modules = import_evaluators(evals, args.skip_missing)  # fail before the (slow) load
+        evals = {k: evals[k] for k in only}
+    modules = import_evaluators(evals, skip_missing)  # fail before the (slow) load
     if not modules:
         raise SystemExit("error: no evaluator to run")
 
     import prolip_jax
     from tqdm import tqdm
 
-    model = prolip_jax.load(args.checkpoint, step=args.step)
+    model = prolip_jax.load(checkpoint, step=step)
     params = model.params  # each evaluator's Encoder places them on its devices
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"loaded {args.checkpoint}: embed_dim {model.config.embed_dim}, image "
+    print(f"loaded {checkpoint}: embed_dim {model.config.embed_dim}, image "
           f"{model.config.vision.image_size}px, context {model.config.text.context_length}")
 
     results: dict[str, Any] = {}
+    if model.step is not None:
+        results["checkpoint/step"] = model.step
     collected: dict[str, dict] = {}
     per_eval: dict[str, dict] = {}
     encoder = None
@@ -302,9 +313,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(encoder.mesh.devices.ravel())} devices)")
 
     write_json_atomic(out / "results.json", {k: _jsonable(v) for k, v in results.items()})
-    plots = [] if args.no_plots else make_plots(collected, {n: evals[n]["type"] for n in modules}, per_eval, out)
-    print(f"wrote {out / 'results.json'} ({len(results)} values) and {len(plots)} plots")
-    return 0
+    written = make_plots(collected, {n: evals[n]["type"] for n in modules}, per_eval, out) if plots else []
+    print(f"wrote {out / 'results.json'} ({len(results)} values) and {len(written)} plots")
+    return results
 
 
 if __name__ == "__main__":

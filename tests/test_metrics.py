@@ -101,11 +101,14 @@ def test_stdout_progress_and_eta(tmp_path):
     with MetricWriter(str(tmp_path), total_steps=1000, stream=out, clock=FakeClock([5.0, 15.0, 25.0])) as w:
         w.write(100, {"loss": 1.23456})
         w.write(200, {"loss": 1.0})
-        w.write(300, {"loss": 0.5, "skipped": 2})
+        w.write(300, {"loss": 0.5, "skipped": 2, "data/skipped/corrupt_image": 0,
+                      "data/skipped/empty_caption": 3})
     lines = out.getvalue().splitlines()
     assert lines[0] == "[ 100/1000  10.0%] ETA ? | loss 1.235"
     assert "ETA 1m20s" in lines[1]  # 800 steps left at 0.1 s/step
-    assert lines[2] == "[ 300/1000  30.0%] ETA 1m10s | loss 0.5 | skipped 2"
+    # Zero per-reason skip counters are left off the line (not out of the files).
+    assert lines[2] == "[ 300/1000  30.0%] ETA 1m10s | loss 0.5 | skipped 2 | data/skipped/empty_caption 3"
+    assert "corrupt_image" in (tmp_path / "metrics.jsonl").read_text().splitlines()[-1]
 
 
 def test_eta_uses_moving_window(tmp_path):

@@ -5,6 +5,8 @@ r"""Offline evaluation on the built-in demo dataset (zero-shot, retrieval, uncer
 Config args (`--config configs/eval/demo.py:evals=uncertainty,small=1`):
     evals=a+b+c    evaluators to include, of zeroshot, retrieval, uncertainty (default: all three)
     cache_dir=DIR  demo cache folder (default: input_pipeline.demo.default_cache_dir())
+    image_size=N   stored size of the demo images (default 64, the DemoConfig default); give
+    num_train=N    the training run's values (configs/demo.py: 32 and 20000) to reuse its cache
     small=1        tiny splits (200 train, 36 zero-shot, 20 retrieval, 10 hierarchies, 16 px
                    stored images): a smoke test in seconds
 
@@ -20,11 +22,12 @@ ALL = ("zeroshot", "retrieval", "uncertainty")
 
 
 def get_config(arg=None):
-    args = config_args.parse(arg, evals="+".join(ALL), cache_dir="", small="0")
+    args = config_args.parse(arg, evals="+".join(ALL), cache_dir="", small="0", image_size="64",
+                             num_train="200")
     # One DemoConfig for all evaluators: they share one generated cache folder. The eval splits
     # are the DemoConfig defaults (1,080 zero-shot, 500 retrieval, 500 hierarchies); the train
     # split is not read here, so a small one keeps the first generation quick.
-    demo = dict(num_train=200)
+    demo = dict(image_size=int(args["image_size"]), num_train=int(args["num_train"]))
     if args["small"] == "1":
         demo = dict(image_size=16, num_train=200, num_zeroshot=36, num_retrieval=20, num_levels=10)
     if args["cache_dir"]:

@@ -1,0 +1,189 @@
+r"""`make demo`: pretrain a small ProLIP on the demo dataset on CPU, evaluate it, print a summary.
+
+    python scripts/demo.py --workdir workdirs/demo                 # what `make demo` runs
+    python scripts/demo.py --workdir /tmp/demo_smoke --config configs/demo.py:smoke=1 --check
+
+Three stages, each reused when a rerun finds it done:
+  1. the demo dataset (input_pipeline/demo), generated into the cache if absent;
+  2. training with the real trainer (prolip_jax.train.train): grain pipeline, orbax checkpoints
+     in WORKDIR/checkpoints, WORKDIR/metrics.jsonl and TensorBoard events in WORKDIR/tb. An
+     interrupted run resumes from its last checkpoint; a finished one is not trained again;
+  3. offline evaluation of the final checkpoint on the held-out demo splits with
+     scripts/evaluate.py and configs/eval/demo.py: WORKDIR/eval/results.json and the plots. It
+     is skipped when results.json already holds the final checkpoint's step.
+
+Then a table of the headline numbers against the targets (TARGETS below; `smoke=1` configs
+use the looser SMOKE_TARGETS) goes to stdout and to WORKDIR/summary.md. Missed targets are
+reported, not hidden; with --check they also make the exit status 1 (the CI smoke test).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python scripts/demo.py` from anywhere: find evaluators/
+    sys.path.insert(0, str(ROOT))
+
+N_CLASSES = 36  # zero-shot "object" task: 6 colours x 6 shapes
+N_RETRIEVAL = 500  # retrieval split: one image per distinct level-3 caption
+
+# (label, results.json key or a function of the results, target, chance/meaning)
+Z = "zeroshot/object/top1_csd"
+R = "retrieval/demo/csd/{}_R@{}"
+U = "uncertainty/demo/{}"
+
+
+def _targets(zs: float, r_at: int, r_min: float, order: float, inclusion: float) -> list[tuple]:
+    return [
+        ("zero-shot top-1 (36 classes, CSD)", Z, zs, f"chance {100 / N_CLASSES:.1f}%", "%"),
+        (f"image->text R@{r_at} (500 pairs, CSD)", R.format("i2t", r_at), r_min,
+         f"chance {100 * r_at / N_RETRIEVAL:.1f}%", "%r"),
+        (f"text->image R@{r_at} (500 pairs, CSD)", R.format("t2i", r_at), r_min,
+         f"chance {100 * r_at / N_RETRIEVAL:.1f}%", "%r"),
+        ("mean text sigma^2 / mean image sigma^2",
+         lambda r: r[U.format("text_sigma2_mean")] / r[U.format("image_sigma2_mean")], 1.0,
+         "texts more uncertain: > 1", "x"),
+        ("level 0 more uncertain than level 3", U.format("order_level0_gt_level3_rate"), order,
+         "of 500 hierarchies", "%"),
+        ("masked image includes image (H > 0)", U.format("inclusion_image_in_masked_rate"),
+         inclusion, "of 500 images", "%"),
+        ("masked caption includes caption (H > 0)", U.format("inclusion_text_in_masked_rate"),
+         inclusion, "of 500 captions", "%"),
+    ]
+
+
+# The issue's targets for `make demo` (held-out splits).
+TARGETS = _targets(zs=0.80, r_at=1, r_min=50.0, order=0.90, inclusion=0.70)
+# The CI smoke run (a few hundred steps): loose, but an untrained model fails every line
+# (chance: 2.8% zero-shot, 2% R@10; an untrained model has no sigma^2 ordering to speak of).
+SMOKE_TARGETS = _targets(zs=0.10, r_at=10, r_min=6.0, order=0.0, inclusion=0.70)
+
+
+def _load_module(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def latest_step(workdir: Path) -> int | None:
+    from prolip_jax import checkpoint
+
+    ckpts = workdir / "checkpoints"
+    if not checkpoint.is_checkpoint(ckpts):
+        return None
+    return checkpoint.load_config(ckpts)[2]
+
+
+def summarize(results: dict, targets: list[tuple]) -> tuple[list[str], bool]:
+    """Markdown table lines and whether every target was met."""
+    lines = ["| metric | value | target | note |", "|---|---|---|---|"]
+    ok_all = True
+    for label, key, target, note, unit in targets:
+        try:
+            value = key(results) if callable(key) else results[key]
+        except (KeyError, TypeError, ZeroDivisionError):
+            value = None
+        ok = value is not None and value >= target if target > 0 else value is not None
+        ok_all &= ok
+        if value is None:
+            shown = "missing"
+        elif unit == "%":  # a fraction shown in percent
+            shown = f"{100 * value:.1f}%"
+        elif unit == "%r":  # already in percent (the retrieval evaluator's unit)
+            shown = f"{value:.1f}%"
+        else:
+            shown = f"{value:.2f}x"
+        want = {"%": f">= {100 * target:.0f}%", "%r": f">= {target:.0f}%", "x": f"> {target:.0f}x"}[unit]
+        if target <= 0:
+            want = "reported"
+        lines.append(f"| {label} | {shown} | {want} {'ok' if ok else 'MISSED'} | {note} |")
+    return lines, ok_all
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", default="workdirs/demo", help="checkpoints, metrics, eval results")
+    p.add_argument("--config", default=str(ROOT / "configs" / "demo.py"), help="train config[:args]")
+    p.add_argument("--check", action="store_true", help="exit with status 1 if a target is missed")
+    args = p.parse_args(argv)
+    workdir = Path(args.workdir)
+    t0 = time.time()
+
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    evaluate = _load_module(ROOT / "scripts" / "evaluate.py", "_prolip_evaluate")
+    config = evaluate.load_config(args.config)
+    demo_kwargs = dict(config.data.demo)
+    smoke = "smoke=1" in args.config.partition(":")[2].split(",")
+
+    # ---- 1. Data ---------------------------------------------------------------------------
+    from input_pipeline.demo import get_demo
+
+    print(f"[1/3] demo dataset ({demo_kwargs})", flush=True)
+    t = time.time()
+    ds = get_demo(**demo_kwargs, context_length=config.data.tokenizer.context_length)
+    print(f"      {ds.root} ({time.time() - t:.0f}s)", flush=True)
+
+    # ---- 2. Training -------------------------------------------------------------------------
+    step = latest_step(workdir)
+    if step is not None and step >= config.total_steps:
+        print(f"[2/3] training: already done ({workdir / 'checkpoints'} is at step {step})", flush=True)
+    else:
+        from prolip_jax.train import train
+
+        resume = f", resuming from step {step}" if step else ""
+        print(f"[2/3] training {config.total_steps} steps of batch {config.batch_size} on "
+              f"{_devices()}{resume}; logs in {workdir}", flush=True)
+        t = time.time()
+        train(config, str(workdir))
+        print(f"      trained in {time.time() - t:.0f}s", flush=True)
+        step = latest_step(workdir)
+        if step is None or step < config.total_steps:  # SIGTERM: the trainer saved and returned
+            print(f"training stopped at step {step}; rerun the same command to resume")
+            return 1
+
+    # ---- 3. Evaluation -------------------------------------------------------------------------
+    out = workdir / "eval"
+    results_path = out / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    if results.get("checkpoint/step") == step:
+        print(f"[3/3] evaluation: reusing {results_path} (step {step})", flush=True)
+    else:
+        # The held-out splits of the very dataset trained on: the eval config's evaluators with
+        # the training run's DemoConfig fields (one cache folder, one generation).
+        eval_config = evaluate.load_config(str(ROOT / "configs" / "eval" / "demo.py"))
+        for name in eval_config.evals:
+            eval_config.evals[name]["demo"] = dict(demo_kwargs)
+        print(f"[3/3] evaluating step {step} on the held-out splits -> {out}", flush=True)
+        evaluate.evaluate(str(workdir), eval_config, out)
+        results = json.loads(results_path.read_text())
+
+    # ---- Summary ---------------------------------------------------------------------------------
+    lines, ok = summarize(results, SMOKE_TARGETS if smoke else TARGETS)
+    header = (f"ProLIP demo{' (smoke)' if smoke else ''}: model {config.model.variant}, "
+              f"{config.total_steps} steps x batch {config.batch_size}, step {step}; "
+              f"held-out demo splits ({results_path})")
+    plots = sorted(x.name for x in out.glob("*.png"))
+    text = "\n".join([header, "", *lines, "", f"plots: {', '.join(plots)}",
+                      f"all targets met: {'yes' if ok else 'NO'}", ""])
+    (workdir / "summary.md").write_text(text)
+    print("\n" + text + f"(total {time.time() - t0:.0f}s; this table is also in {workdir / 'summary.md'})")
+    return 0 if ok or not args.check else 1
+
+
+def _devices() -> str:
+    import jax
+
+    devices = jax.devices()
+    return f"{len(devices)} {devices[0].platform.upper()} device{'s' if len(devices) > 1 else ''}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

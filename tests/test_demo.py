@@ -1,0 +1,92 @@
+"""`make demo`, shortened: the same script, trainer, pipeline and evaluators on a small train split
+for a few hundred steps, with looser targets that an untrained model still fails.
+
+Runs as a subprocess on one CPU device (as `make demo` does; the suite's 8 fake devices would
+make it 3x slower) with its own dataset cache.
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _demo_module():
+    spec = importlib.util.spec_from_file_location("_demo_script", ROOT / "scripts" / "demo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_demo(workdir: Path, cache: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PROLIP_JAX_CACHE=str(cache))
+    return subprocess.run(
+        [sys.executable, "scripts/demo.py", "--workdir", str(workdir), "--config",
+         "configs/demo.py:smoke=1", "--check"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+
+
+def test_summary_reports_missed_targets():
+    demo = _demo_module()
+    results = {demo.Z: 0.9, "retrieval/demo/csd/i2t_R@1": 60.0, "retrieval/demo/csd/t2i_R@1": 40.0,
+               "uncertainty/demo/text_sigma2_mean": 2.0, "uncertainty/demo/image_sigma2_mean": 1.0,
+               "uncertainty/demo/order_level0_gt_level3_rate": 0.95,
+               "uncertainty/demo/inclusion_image_in_masked_rate": 1.0}
+    lines, ok = demo.summarize(results, demo.TARGETS)
+    assert not ok
+    by_label = {line.split(" | ")[0][2:]: line for line in lines[2:]}
+    assert "90.0% | >= 80% ok" in by_label["zero-shot top-1 (36 classes, CSD)"]
+    assert "40.0% | >= 50% MISSED" in by_label["text->image R@1 (500 pairs, CSD)"]
+    assert "2.00x | > 1x ok" in by_label["mean text sigma^2 / mean image sigma^2"]
+    assert "missing" in by_label["masked caption includes caption (H > 0)"]  # absent key: not met
+    results["retrieval/demo/csd/t2i_R@1"] = 55.0
+    results["uncertainty/demo/inclusion_text_in_masked_rate"] = 0.8
+    assert demo.summarize(results, demo.TARGETS)[1]
+
+
+def test_smoke_targets_fail_at_chance():
+    """The smoke thresholds are above what a model that learned nothing gets."""
+    demo = _demo_module()
+    chance = {demo.Z: 1 / 36, "retrieval/demo/csd/i2t_R@10": 2.0, "retrieval/demo/csd/t2i_R@10": 2.0,
+              "uncertainty/demo/text_sigma2_mean": 1.0, "uncertainty/demo/image_sigma2_mean": 1.0,
+              "uncertainty/demo/order_level0_gt_level3_rate": 0.5,
+              "uncertainty/demo/inclusion_image_in_masked_rate": 0.5,
+              "uncertainty/demo/inclusion_text_in_masked_rate": 0.5}
+    lines, ok = demo.summarize(chance, demo.SMOKE_TARGETS)
+    assert not ok
+    assert sum("MISSED" in line for line in lines) == len(demo.SMOKE_TARGETS)
+
+
+def test_demo_smoke_end_to_end(tmp_path):
+    workdir, cache = tmp_path / "demo", tmp_path / "cache"
+    run = _run_demo(workdir, cache)
+    assert run.returncode == 0, f"stdout:\n{run.stdout[-4000:]}\nstderr:\n{run.stderr[-4000:]}"
+    assert "all targets met: yes" in run.stdout
+
+    # The workdir holds what the README promises.
+    steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == _demo_module_steps()
+    assert list((workdir / "tb").glob("events.out.tfevents.*"))
+    assert (workdir / "checkpoints" / str(steps[-1])).is_dir()
+    results = json.loads((workdir / "eval" / "results.json").read_text())
+    assert results["checkpoint/step"] == steps[-1]
+    assert len(list((workdir / "eval").glob("*.png"))) >= 3
+    assert "all targets met: yes" in (workdir / "summary.md").read_text()
+
+    # A rerun trains nothing and evaluates nothing: it reuses both and prints the same table.
+    again = _run_demo(workdir, cache)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "training: already done" in again.stdout and "evaluation: reusing" in again.stdout
+    table = run.stdout[run.stdout.index("| metric"):run.stdout.index("plots:")]
+    assert table in again.stdout
+
+
+def _demo_module_steps() -> int:
+    spec = importlib.util.spec_from_file_location("_demo_config", ROOT / "configs" / "demo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config("smoke=1").total_steps
