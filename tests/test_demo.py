@@ -58,7 +58,8 @@ def test_smoke_targets_fail_at_chance():
               "uncertainty/demo/inclusion_text_in_masked_rate": 0.5}
     lines, ok = demo.summarize(chance, demo.SMOKE_TARGETS)
     assert not ok
-    assert sum("MISSED" in line for line in lines) == len(demo.SMOKE_TARGETS)
+    checked = [t for t in demo.SMOKE_TARGETS if t[2] > 0]  # the rest are reported only
+    assert sum("MISSED" in line for line in lines) == len(checked) >= 5
 
 
 def test_demo_smoke_end_to_end(tmp_path):
