@@ -31,7 +31,7 @@ import ml_collections as mlc
 
 from prolip_jax import config_args
 
-STEPS = 4000
+STEPS = 5000
 SMOKE_STEPS = 500
 IMAGE_SIZE = 32
 LEVEL_WEIGHTS = (1, 1, 2, 4)

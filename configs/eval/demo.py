@@ -5,8 +5,9 @@ r"""Offline evaluation on the built-in demo dataset (zero-shot, retrieval, uncer
 Config args (`--config configs/eval/demo.py:evals=uncertainty,small=1`):
     evals=a+b+c    evaluators to include, of zeroshot, retrieval, uncertainty (default: all three)
     cache_dir=DIR  demo cache folder (default: input_pipeline.demo.default_cache_dir())
-    image_size=N   stored size of the demo images (default 64, the DemoConfig default); give
-    num_train=N    the training run's values (configs/demo.py: 32 and 20000) to reuse its cache
+    image_size=N   stored size of the demo images (default 64, the DemoConfig default; `make
+                   demo` uses 32). The held-out splits do not depend on the train split.
+    num_train=N    size of the (unused) train split in the cache folder (default 200)
     small=1        tiny splits (200 train, 36 zero-shot, 20 retrieval, 10 hierarchies, 16 px
                    stored images): a smoke test in seconds
 
