@@ -25,7 +25,12 @@ Choices, each measured on the held-out splits (runs of 3,000 steps, see the READ
   * VIB beta 0.1 and alpha_1 (image in text) 1e-3 instead of the paper's 1e-4 and 1e-7: with
     the paper's values the sigma^2 stay at their e^-10 initial scale in a run this short
     (texts and images indistinguishable); beta 0.1 alone made images more uncertain than
-    texts, alpha_1 1e-3 restores texts > images (paper §4.3, Table C.3).
+    texts, alpha_1 1e-3 restores texts > images (paper §4.3, Table C.3);
+  * inclusion eps -20 (the paper's): eps -5, or eps 0 with alpha_1 1e-2 (so that a caption
+    must cover its images' means, not only their variances), slowed learning (72% zero-shot
+    after 3,000 steps; 17% after 1,200 with eps 0) and left "a shape" as certain as before;
+  * 5,000 steps: R@1 was 27% after 3,000 steps, 41-43% after 4,000 and 71% after 5,000;
+    the whole `make demo` takes 13 min 50 s on 2 vCPUs.
 """
 import ml_collections as mlc
 
