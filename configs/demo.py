@@ -57,8 +57,8 @@ def get_config(arg=None):
         config_json="", dtype="float32", remat="none", attention_impl="auto",
         init_logit_scale=2.302585092994046,  # log 10: the paper's a = 10
     ))
-    # The stored image size and train-split size define the cache folder; scripts/demo.py passes
-    # the same two to configs/eval/demo.py so that training and evaluation share one dataset.
+    # These fields (and the model's context length) are the dataset's cache key; scripts/demo.py
+    # gives them to the configs/eval/demo.py evaluators, so training and evaluation share it.
     demo = dict(image_size=IMAGE_SIZE, num_train=2_000 if smoke else 20_000, level_weights=LEVEL_WEIGHTS)
     c.data = mlc.ConfigDict(dict(
         source="demo", path="", image_size=IMAGE_SIZE, num_workers=0, augment=True,

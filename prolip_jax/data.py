@@ -107,5 +107,12 @@ def build_train_data(config, model_config) -> Any:
                          "see input_pipeline/tokenizers.py for the kinds and where files come from)")
     if d.source == "demo":
         data_cfg.pop("tokenizer", None)
-        data_cfg["demo"] = {"context_length": model_config.text.context_length, **data_cfg.get("demo", {})}
+        data_cfg["demo"] = demo_kwargs(config, model_config)
     return build_train_iterator(data_cfg)
+
+
+def demo_kwargs(config, model_config) -> dict[str, Any]:
+    """`input_pipeline.demo.get_demo` kwargs of a `data.source="demo"` run: `data.demo` with the
+    model's context length (part of the cache key), so whoever else opens the run's dataset
+    (scripts/demo.py, its evaluation) finds the same cache folder."""
+    return {"context_length": model_config.text.context_length, **config.data.to_dict().get("demo", {})}

@@ -74,10 +74,10 @@ def _load_module(path: Path, name: str):
 def latest_step(workdir: Path) -> int | None:
     from prolip_jax import checkpoint
 
-    ckpts = workdir / "checkpoints"
-    if not checkpoint.is_checkpoint(ckpts):
+    try:
+        return checkpoint.resolve(workdir / "checkpoints")[1]
+    except (FileNotFoundError, ValueError):  # no checkpoint yet
         return None
-    return checkpoint.load_config(ckpts)[2]
 
 
 def summarize(results: dict, targets: list[tuple]) -> tuple[list[str], bool]:
@@ -125,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     evaluate = _load_module(ROOT / "scripts" / "evaluate.py", "_prolip_evaluate")
     config = evaluate.load_config(args.config)
-    demo_kwargs = dict(config.data.demo)
+    from prolip_jax.data import demo_kwargs as run_demo_kwargs
+    from prolip_jax.train import model_config
+
+    demo_kwargs = run_demo_kwargs(config, model_config(config))  # the trainer's dataset, exactly
     smoke = "smoke=1" in args.config.partition(":")[2].split(",")
 
     # ---- 1. Data ---------------------------------------------------------------------------
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"[1/3] demo dataset ({demo_kwargs})", flush=True)
     t = time.time()
-    ds = get_demo(**demo_kwargs, context_length=config.data.tokenizer.context_length)
+    ds = get_demo(**demo_kwargs)
     print(f"      {ds.root} ({time.time() - t:.0f}s)", flush=True)
 
     # ---- 2. Training -------------------------------------------------------------------------

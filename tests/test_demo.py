@@ -14,11 +14,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _demo_module():
-    spec = importlib.util.spec_from_file_location("_demo_script", ROOT / "scripts" / "demo.py")
+def _load(relpath: str):
+    spec = importlib.util.spec_from_file_location(f"_test_{Path(relpath).stem}", ROOT / relpath)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _demo_module():
+    return _load("scripts/demo.py")
 
 
 def _run_demo(workdir: Path, cache: Path) -> subprocess.CompletedProcess:
@@ -87,7 +91,4 @@ def test_demo_smoke_end_to_end(tmp_path):
 
 
 def _demo_module_steps() -> int:
-    spec = importlib.util.spec_from_file_location("_demo_config", ROOT / "configs" / "demo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config("smoke=1").total_steps
+    return _load("configs/demo.py").get_config("smoke=1").total_steps
