@@ -21,6 +21,7 @@ content in the checkpoint; windows need four integers.)
 """
 from __future__ import annotations
 
+import logging
 import os
 import tarfile
 from typing import Any, Iterator, Sequence
@@ -35,6 +36,7 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
 TEXT_EXT = "txt"
 _SHARD_ORDER_TAG = 0x5A4D   # separates the seed streams of shard order and window shuffles
 _WINDOW_TAG = 0x57A1
+log = logging.getLogger(__name__)
 
 
 def split_key(name: str) -> tuple[str, str]:
@@ -46,22 +48,53 @@ def split_key(name: str) -> tuple[str, str]:
     return os.path.join(dirname, stem), ext.lower()
 
 
+class _EndCheckingTarInfo(tarfile.TarInfo):
+    """Remembers why tarfile stopped reading headers. In stream mode it ends silently at a
+    header that is cut short, missing or garbled, exactly as at the end-of-archive zero
+    block; only the latter is a complete archive."""
+
+    @classmethod
+    def fromtarfile(cls, tar):
+        tar.header_error = None
+        try:
+            return super().fromtarfile(tar)
+        except tarfile.HeaderError as e:
+            tar.header_error = e
+            raise
+
+
+_SHARD_ERRORS = (tarfile.TarError, EOFError, OSError, ValueError, UnicodeDecodeError)
+
+
 def iter_tar_groups(fileobj: Any) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """Streams (key, {ext: bytes}) groups of consecutive same-key members of a tar stream."""
-    key, members = None, {}
-    with tarfile.open(fileobj=fileobj, mode="r|*") as tar:
-        for info in tar:
-            if not info.isfile():
-                continue
-            k, ext = split_key(info.name)
-            if k != key and key is not None:
-                yield key, members
-                members = {}
-            key = k
-            f = tar.extractfile(info)
-            members.setdefault(ext, f.read() if f is not None else b"")
-    if key is not None:
+    """Streams (key, {ext: bytes}) groups of consecutive same-key members of a tar stream.
+
+    Where the archive breaks (damaged data or headers, or a cut anywhere before the
+    end-of-archive block), the group in progress is yielded with the members read whole
+    (the record may still be complete), then the error is raised.
+    """
+    key, members, error = None, {}, None
+    try:
+        with tarfile.open(fileobj=fileobj, mode="r|*", tarinfo=_EndCheckingTarInfo) as tar:
+            for info in tar:
+                if not info.isfile():
+                    continue
+                k, ext = split_key(info.name)
+                if k != key and key is not None:
+                    yield key, members
+                    members = {}
+                key = k
+                f = tar.extractfile(info)
+                members.setdefault(ext, f.read() if f is not None else b"")
+            end = getattr(tar, "header_error", None)
+            if not isinstance(end, tarfile.EOFHeaderError):
+                raise tarfile.ReadError(f"no end-of-archive block at byte {tar.offset} ({end})")
+    except _SHARD_ERRORS as e:
+        error = e
+    if key is not None and members:
         yield key, members
+    if error is not None:
+        raise error
 
 
 def group_to_raw(key: str, members: dict[str, bytes], rng_key: tuple[int, ...]
@@ -83,8 +116,9 @@ def iter_shard(path: str, shard_id: int, epoch: int, start: int = 0
                ) -> Iterator[tuple[int, dict[str, Any] | Skip]]:
     """(group index, raw record | Skip) for the groups of one shard from `start` on.
 
-    A shard that stops being readable yields one Skip("corrupt_shard") and ends (the records
-    before the damage are kept). A shard that cannot be opened at all raises: that is a wrong
+    A shard that stops being readable (damaged data or headers, or cut short anywhere before
+    its end-of-archive block) yields one Skip("corrupt_shard"), logs a warning naming it, and
+    ends (the records before the damage are kept). A shard that cannot be opened at all raises: that is a wrong
     path or missing permission, which the user must fix, not data to skip.
     """
     try:
@@ -98,7 +132,10 @@ def iter_shard(path: str, shard_id: int, epoch: int, start: int = 0
             for index, (key, members) in enumerate(iter_tar_groups(f)):
                 if index >= start:
                     yield index, group_to_raw(key, members, (epoch, shard_id, index))
-        except (tarfile.TarError, EOFError, OSError, ValueError, UnicodeDecodeError):
+        except _SHARD_ERRORS as e:
+            log.warning("Corrupt tar shard %s: unreadable after %d records (%s: %s); the rest "
+                        "of it is skipped and counted as skipped/corrupt_shard.", path,
+                        index + 1, type(e).__name__, e)
             yield index + 1, Skip("corrupt_shard", path)
 
 

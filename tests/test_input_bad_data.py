@@ -186,3 +186,71 @@ def test_corrupt_array_record_records_are_skipped(tmp_path):
     it = pipeline.build_eval_iterator(cfg, TOK, process_index=0, process_count=1)
     keys = [k for b in it for k in b["text"][b["mask"], 0]]
     assert sorted(keys) == [0, 1, 3, 5] and it.skip_counts["corrupt_record"] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# A shard cut inside or right before a header (tarfile's stream mode took that for the end).
+# ---------------------------------------------------------------------------------------------
+def _cut_positions(path):
+    """{where: (byte offset to cut at, records whose image and caption lie before the cut,
+    whether the record at the cut has its image but not its caption)} for a generated shard."""
+    with tarfile.open(path) as tar:
+        members = tar.getmembers()
+    end = members[-1].offset_data + -(-members[-1].size // 512) * 512   # end-of-archive block
+    cuts = {"in a record's first header": members[6].offset + 100,
+            "in a record's caption header": members[7].offset + 300,
+            "at a header's first byte": members[10].offset,
+            "in the last member's header": members[-1].offset + 511,
+            "right after the last member": end,
+            "in the end-of-archive block": end + 100}
+    out = {}
+    for where, offset in cuts.items():
+        whole = {m.name for m in members if m.offset_data + m.size <= offset}
+        kept = sum(f"{k}.jpg" in whole and f"{k}.txt" in whole for k in _keys_of(members))
+        half = any(f"{k}.jpg" in whole and f"{k}.txt" not in whole for k in _keys_of(members))
+        out[where] = offset, kept, half
+    return out
+
+
+def _keys_of(members):
+    return sorted({m.name.split(".")[0] for m in members})
+
+
+def test_shard_cut_in_a_header_is_counted_and_named(tmp_path, caplog):
+    [path] = synthetic.make_jpeg_shards(str(tmp_path), 1, 6, 20, 20, seed=3)   # jpg, txt, json
+    full = open(path, "rb").read()
+    cfg = dict(source="tar", batch_size=1, image_size=16, image_dtype="uint8")
+
+    def read(p):
+        with pipeline.build_eval_iterator(dict(cfg, path=p), TOK, process_index=0,
+                                          process_count=1) as it:
+            keys = [int(k) for b in it for k in b["text"][b["mask"], 0]]
+            return keys, it.skip_counts
+
+    keys, counts = read(path)   # the intact shard, with its normal zero padding: no skip
+    assert keys == list(range(6)) and sum(counts.values()) == 0
+    # Past the first zero block nothing is lost: a cut there is no damage.
+    for extra in (512 + 100, 1024):
+        cut = str(tmp_path / f"end{extra}.tar")
+        end = _cut_positions(path)["right after the last member"][0]
+        open(cut, "wb").write(full[:end + extra])
+        assert read(cut) == (list(range(6)), counts)
+    for name, (offset, kept, half) in _cut_positions(path).items():
+        cut = str(tmp_path / f"cut{offset}.tar")
+        open(cut, "wb").write(full[:offset])
+        caplog.clear()
+        keys, counts = read(cut)
+        assert keys == list(range(kept)), name   # every record before the cut, none after
+        assert counts["corrupt_shard"] == 1, (name, counts)
+        assert sum(counts.values()) == 1 + counts["missing_caption"] == 1 + half, (name, counts)
+        assert any(cut in r.getMessage() and r.levelname == "WARNING"
+                   for r in caplog.records), name
+    # A garbled header (bad checksum) mid-shard: the same.
+    garbled = bytearray(full)
+    with tarfile.open(path) as tar:
+        offset = tar.getmembers()[9].offset
+    garbled[offset:offset + 100] = b"\xff" * 100
+    cut = str(tmp_path / "garbled.tar")
+    open(cut, "wb").write(bytes(garbled))
+    keys, counts = read(cut)
+    assert keys == [0, 1, 2] and counts["corrupt_shard"] == 1
