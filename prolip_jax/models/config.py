@@ -4,6 +4,13 @@ The reference (naver-ai/prolip, open_clip 2.24) describes a model by a kwargs di
 `{"embed_dim", "init_logit_bias", "vision_cfg": {...}, "text_cfg": {...}}` (REFERENCE §1.4);
 the released Hugging Face `config.json` is that same dict. `ProLIPConfig.from_dict` reads it
 (any size), `to_dict` writes it back so `ProLIPHF.from_pretrained` can rebuild the model.
+
+The same towers, configured by the fields after `init_unc_bias`, are the deterministic
+CLIP / SigLIP models the importers in `prolip_jax.pretrained` load (`embed_unc=False`: no
+[UNC] token, mu only). The defaults are ProLIP's. In the dict schema a deterministic tower
+says `"embed_unc": false` explicitly and lists its options with open_clip's key names where
+open_clip has one (`pool_type`, `no_ln_pre`, `no_causal_mask`, `proj_bias`, `act_kwargs`) and
+`class_token`, `patch_bias`, `proj_type` otherwise.
 """
 from __future__ import annotations
 
@@ -26,6 +33,16 @@ class VisionConfig:
     mlp_ratio: float = 4.0
     ln_eps: float = 1e-5  # torch default; the reference sets no norm_kwargs for vision
     init_unc_bias: float = -10.0
+    # Architecture options (defaults = ProLIP). Token layout = [CLS]? [UNC]? patches, with one
+    # positional-embedding row per token: ProLIP grid+2 rows (CLS, UNC, patches), OpenAI /
+    # open_clip CLIP grid+1 (CLS, patches), SigLIP grid (patches only).
+    embed_unc: bool = True  # [UNC] token -> log sigma^2 (uncertainty_proj); False: mu only
+    class_token: bool = True  # a [CLS] token (`class_embedding`); SigLIP has none
+    pool: str = "tok"  # "tok": the [CLS] output; "map": SigLIP attention-pool head (`map_head`)
+    ln_pre: bool = True  # LayerNorm before the blocks (CLIP, ProLIP); SigLIP has none
+    patch_bias: bool = False  # bias of the patch-embedding conv (SigLIP: timm / big_vision)
+    proj: bool = True  # mu = pooled @ proj (no bias); False: mu = pooled (SigLIP, width == embed_dim)
+    act: str = "gelu"  # "gelu" (erf) | "gelu_tanh" (SigLIP); ProLIPConfig.quick_gelu overrides
 
     @property
     def heads(self) -> int:
@@ -54,6 +71,14 @@ class TextConfig:
     mlp_ratio: float = 4.0
     ln_eps: float = 1e-5  # B/16, L/16, So400m set 1e-6 through norm_kwargs; H/14 keeps 1e-5
     init_unc_bias: float = -10.0
+    # Architecture options (defaults = ProLIP). Positional-embedding rows: context_length + 2
+    # for "prolip" (tokens, UNC, CLS), context_length otherwise.
+    embed_unc: bool = True  # ProLIP: [UNC],[CLS] appended, log sigma^2 head; False: mu only
+    pool: str = "prolip"  # "prolip": appended [CLS]; "last": last token (SigLIP); "argmax": the
+    #                       token at argmax(token id), the EOT of OpenAI's BPE (open_clip CLIP)
+    causal: bool = False  # causal attention mask (OpenAI CLIP text)
+    proj_bias: bool = True  # text_projection bias (ProLIP, SigLIP); OpenAI CLIP has none
+    act: str = "gelu"  # "gelu" | "gelu_tanh" (big_vision SigLIP); ProLIPConfig.quick_gelu overrides
     # Carried for config.json round trips only (the model does not use them).
     hf_tokenizer_name: str | None = None
     tokenizer_kwargs: tuple[tuple[str, Any], ...] = ()
@@ -75,6 +100,19 @@ class ProLIPConfig:
     def __post_init__(self):
         v, t = self.vision, self.text
         problems = []
+        for where, tower, pools in (("vision", v, ("tok", "map")), ("text", t, ("prolip", "last", "argmax"))):
+            if tower.pool not in pools:
+                problems.append(f"{where} pool {tower.pool!r} is not one of {pools}")
+            if tower.act not in ("gelu", "gelu_tanh"):
+                problems.append(f"{where} act {tower.act!r} is not 'gelu' or 'gelu_tanh' (QuickGELU: quick_gelu=True)")
+        if v.pool == "tok" and not v.class_token:
+            problems.append("vision pool 'tok' needs class_token=True")
+        if not v.proj and v.width != self.embed_dim:
+            problems.append(f"vision proj=False needs width {v.width} == embed_dim {self.embed_dim}")
+        if (t.pool == "prolip") != t.embed_unc:
+            problems.append("text pool 'prolip' ([UNC],[CLS] appended) goes with embed_unc=True and only with it")
+        if t.embed_unc and (t.causal or not t.proj_bias):
+            problems.append("the ProLIP text tower (embed_unc=True) has no causal mask and a text_projection bias")
         if v.image_size % v.patch_size:
             problems.append(f"vision image_size {v.image_size} is not a multiple of patch_size {v.patch_size}")
         if v.width % v.head_width:
@@ -83,7 +121,7 @@ class ProLIPConfig:
             problems.append(f"text width {t.width} is not divisible by heads {t.heads}")
         # The reference applies text_uncertainty_projection, a Linear(width, embed_dim), to the
         # *projected* CLS embedding (REFERENCE §1.3), which only type-checks when they agree.
-        if t.width != self.embed_dim:
+        if t.embed_unc and t.width != self.embed_dim:
             problems.append(f"text width {t.width} must equal embed_dim {self.embed_dim}: the reference "
                             "computes text log sigma^2 from the projected [CLS] embedding")
         if problems:
@@ -99,8 +137,12 @@ class ProLIPConfig:
         txt = dict(d.get("text_cfg") or {})
         _check_keys("vision_cfg", vis, _VISION_KEYS)
         _check_keys("text_cfg", txt, _TEXT_KEYS)
-        _check_supported("vision_cfg", vis, _VISION_FIXED)
-        _check_supported("text_cfg", txt, _TEXT_FIXED)
+        # A deterministic tower must say `"embed_unc": false`; absent means the reference default
+        # (vision False, rejected below as before; text True).
+        vis_det = vis.get("embed_unc", True) is False
+        txt_det = txt.get("embed_unc", True) is False
+        _check_supported("vision_cfg", vis, _VISION_FIXED, skip=_VISION_OPTIONS if vis_det else ())
+        _check_supported("text_cfg", txt, _TEXT_FIXED, skip=_TEXT_OPTIONS if txt_det else ())
         vision = VisionConfig(
             image_size=_single(vis.get("image_size", 224), "vision_cfg.image_size"),
             patch_size=_single(vis.get("patch_size", 16), "vision_cfg.patch_size"),
@@ -110,6 +152,13 @@ class ProLIPConfig:
             mlp_ratio=vis.get("mlp_ratio", 4.0),
             ln_eps=(vis.get("norm_kwargs") or {}).get("eps", 1e-5),
             init_unc_bias=float(vis.get("init_unc_bias", -10)),
+            embed_unc=not vis_det,
+            class_token=bool(vis.get("class_token", True)),
+            pool=vis.get("pool_type", "tok"),
+            ln_pre=not vis.get("no_ln_pre", False),
+            patch_bias=bool(vis.get("patch_bias", False)),
+            proj=vis.get("proj_type", "linear") != "none",
+            act=_act(vis.get("act_kwargs"), "vision_cfg"),
         )
         text = TextConfig(
             context_length=txt.get("context_length", 64),
@@ -122,6 +171,11 @@ class ProLIPConfig:
             init_unc_bias=float(txt.get("init_unc_bias", -10)),
             hf_tokenizer_name=txt.get("hf_tokenizer_name"),
             tokenizer_kwargs=tuple(sorted((txt.get("tokenizer_kwargs") or {}).items())),
+            embed_unc=not txt_det,
+            pool="prolip" if not txt_det else txt.get("pool_type", "argmax"),
+            causal=not txt.get("no_causal_mask", True),
+            proj_bias=bool(txt.get("proj_bias", True)),
+            act=_act(txt.get("act_kwargs"), "text_cfg"),
         )
         return cls(
             embed_dim=d.get("embed_dim", 768),
@@ -142,6 +196,25 @@ class ProLIPConfig:
             "embed_cls": True, "embed_unc": True, "norm_kwargs": {"eps": t.ln_eps},
             "init_unc_bias": t.init_unc_bias,
         }
+        if not t.embed_unc:
+            text_cfg.update(embed_cls=False, embed_unc=False, pool_type=t.pool,
+                            no_causal_mask=not t.causal, proj_bias=t.proj_bias)
+        if t.act != "gelu":
+            text_cfg["act_kwargs"] = {"approximate": "tanh"}
+        vision_cfg: dict[str, Any] = {
+            "image_size": v.image_size, "patch_size": v.patch_size, "width": v.width,
+            "layers": v.layers, "head_width": v.head_width, "mlp_ratio": v.mlp_ratio,
+            "norm_kwargs": {"eps": v.ln_eps},
+            "embed_unc": v.embed_unc, "init_unc_bias": v.init_unc_bias,
+        }
+        # Non-ProLIP options only when set, so a ProLIP config.json stays the reference's.
+        for key, value, default in (("class_token", v.class_token, True), ("pool_type", v.pool, "tok"),
+                                    ("no_ln_pre", not v.ln_pre, False), ("patch_bias", v.patch_bias, False),
+                                    ("proj_type", "linear" if v.proj else "none", "linear")):
+            if value != default:
+                vision_cfg[key] = value
+        if v.act != "gelu":
+            vision_cfg["act_kwargs"] = {"approximate": "tanh"}
         if t.hf_tokenizer_name is not None:
             text_cfg["hf_tokenizer_name"] = t.hf_tokenizer_name
         if t.tokenizer_kwargs:
@@ -152,12 +225,7 @@ class ProLIPConfig:
             "init_logit_scale": self.init_logit_scale,
             # The reference creates `logit_bias` only `if init_logit_bias:` (truthy), so never 0.
             "init_logit_bias": self.init_logit_bias or -10.0,
-            "vision_cfg": {
-                "image_size": v.image_size, "patch_size": v.patch_size, "width": v.width,
-                "layers": v.layers, "head_width": v.head_width, "mlp_ratio": v.mlp_ratio,
-                "norm_kwargs": {"eps": v.ln_eps},
-                "embed_unc": True, "init_unc_bias": v.init_unc_bias,
-            },
+            "vision_cfg": vision_cfg,
             "text_cfg": text_cfg,
         }
 
@@ -171,7 +239,8 @@ _TOP_KEYS = {"embed_dim", "vision_cfg", "text_cfg", "quick_gelu", "init_logit_sc
 _VISION_KEYS = {"image_size", "layers", "width", "head_width", "mlp_ratio", "patch_size",
                 "norm_kwargs", "embed_unc", "init_unc_bias", "ls_init_value", "attentional_pool",
                 "attn_pooler_queries", "attn_pooler_heads", "no_ln_pre", "pos_embed_type",
-                "pool_type", "output_tokens", "act_kwargs", "timm_model_name",
+                "pool_type", "output_tokens", "act_kwargs", "timm_model_name", "class_token",
+                "patch_bias", "proj_type",
                 "timm_model_pretrained", "timm_pool", "timm_proj", "timm_proj_bias", "timm_drop",
                 "timm_drop_path"}
 _TEXT_KEYS = {"context_length", "vocab_size", "hf_tokenizer_name", "tokenizer_kwargs", "width",
@@ -186,12 +255,18 @@ _TEXT_KEYS = {"context_length", "vocab_size", "hf_tokenizer_name", "tokenizer_kw
 _VISION_FIXED = {"embed_unc": (False, (True,)), "ls_init_value": (None, (None,)),
                  "attentional_pool": (False, (False,)), "no_ln_pre": (False, (False,)),
                  "pos_embed_type": ("learnable", ("learnable",)), "pool_type": ("tok", ("tok",)),
-                 "output_tokens": (False, (False,)), "act_kwargs": (None, (None,)),
-                 "timm_model_name": (None, (None,))}
+                 "output_tokens": (False, (False,)), "act_kwargs": (None, (None, {"approximate": "tanh"})),
+                 "timm_model_name": (None, (None,)), "class_token": (True, (True,)),
+                 "patch_bias": (False, (False, True)), "proj_type": ("linear", ("linear",))}
 _TEXT_FIXED = {"embed_cls": (True, (True,)), "embed_unc": (True, (True,)),
                "no_causal_mask": (True, (True,)), "proj_bias": (True, (True,)),
                "ls_init_value": (None, (None,)), "output_tokens": (False, (False,)),
-               "act_kwargs": (None, (None,)), "hf_model_name": (None, (None,))}
+               "act_kwargs": (None, (None, {"approximate": "tanh"})), "hf_model_name": (None, (None,))}
+# Keys a deterministic tower (explicit `"embed_unc": false`) may set to other values.
+_VISION_OPTIONS = {"embed_unc": (False,), "class_token": (True, False), "pool_type": ("tok", "map"),
+                   "no_ln_pre": (False, True), "proj_type": ("linear", "none")}
+_TEXT_OPTIONS = {"embed_unc": (False,), "embed_cls": (False,), "no_causal_mask": (True, False),
+                 "proj_bias": (True, False), "pool_type": ("last", "argmax")}
 
 
 def _check_keys(where: str, d: Mapping[str, Any], known: set[str]) -> None:
@@ -200,12 +275,26 @@ def _check_keys(where: str, d: Mapping[str, Any], known: set[str]) -> None:
         raise ValueError(f"unknown key(s) in {where}: {unknown}")
 
 
-def _check_supported(where: str, d: Mapping[str, Any], fixed: Mapping[str, tuple]) -> None:
+def _check_supported(where: str, d: Mapping[str, Any], fixed: Mapping[str, tuple],
+                     skip: Mapping[str, tuple] = ()) -> None:
+    """Rejects unsupported values; `skip` replaces the allowed values of some keys."""
     for key, (default, allowed) in fixed.items():
         value = d.get(key, default)
+        if key in skip:
+            if key in d and value not in skip[key]:
+                raise ValueError(f"{where}.{key}={value!r} is not supported: it must be one of {skip[key]}")
+            continue
         if value not in allowed:
             given = f"{value!r}" if key in d else f"{value!r} (the reference default when absent)"
             raise ValueError(f"{where}.{key}={given} is not supported by ProLIP: it must be {allowed[0]!r}")
+
+
+def _act(act_kwargs: Mapping[str, Any] | None, where: str) -> str:
+    """open_clip's `act_kwargs` for nn.GELU: {"approximate": "tanh"} -> 'gelu_tanh'."""
+    approx = (act_kwargs or {}).get("approximate", "none")
+    if approx not in ("none", "tanh") or set(act_kwargs or {}) - {"approximate"}:
+        raise ValueError(f"{where}.act_kwargs={act_kwargs!r} is not supported (only approximate='tanh')")
+    return "gelu_tanh" if approx == "tanh" else "gelu"
 
 
 def _single(value: Any, where: str) -> int:

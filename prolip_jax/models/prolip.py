@@ -1,7 +1,8 @@
 """ProLIP: the two towers plus the learnable PPCL scale and bias (REFERENCE §1.1, §2.3).
 
 Every input becomes N(mu, diag sigma^2): mu is L2-normalised here (as the reference's
-`encode_*(normalize=True)`), log sigma^2 is returned raw. `logit_scale` stores log a
+`encode_*(normalize=True)`), log sigma^2 is returned raw. A tower configured without [UNC]
+(`embed_unc=False`: the deterministic CLIP / SigLIP models) returns None for log sigma^2. `logit_scale` stores log a
 (a = exp(logit_scale), init from the config: the paper's a = 10 by default) and
 `logit_bias` stores b (init -10).
 """
@@ -40,19 +41,21 @@ class ProLIP(nn.Module):
         self.logit_bias = self.param(
             "logit_bias", nn.with_logical_partitioning(constant(c.init_logit_bias), ()), ())
 
-    def encode_image(self, images: jax.Array, keep_idx: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """images [B, H, W, 3] -> (mu [B, E] unit-norm, log sigma^2 [B, E]), float32."""
+    def encode_image(self, images: jax.Array, keep_idx: jax.Array | None = None
+                     ) -> tuple[jax.Array, jax.Array | None]:
+        """images [B, H, W, 3] -> (mu [B, E] unit-norm, log sigma^2 [B, E] or None), float32."""
         mu, logvar = self.visual(images, keep_idx)
         return l2_normalize(mu), logvar
 
-    def encode_text(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """tokens int [B, L] -> (mu [B, E] unit-norm, log sigma^2 [B, E]), float32."""
+    def encode_text(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """tokens int [B, L] -> (mu [B, E] unit-norm, log sigma^2 [B, E] or None), float32."""
         mu, logvar = self.text(tokens)
         return l2_normalize(mu), logvar
 
     def __call__(self, images: jax.Array | None, tokens: jax.Array | None,
                  image_keep_idx: jax.Array | None = None) -> dict[str, jax.Array]:
-        """Either modality may be None (its outputs are then absent), as in the reference."""
+        """Either modality may be None (its outputs are then absent), as in the reference.
+        `*_logvar` is None for a tower without [UNC]."""
         out = {"logit_scale": jnp.exp(self.logit_scale), "logit_bias": self.logit_bias}
         if images is not None:
             out["image_mean"], out["image_logvar"] = self.encode_image(images, image_keep_idx)

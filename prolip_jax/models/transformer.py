@@ -51,11 +51,20 @@ zeros = jax.nn.initializers.zeros
 ones = jax.nn.initializers.ones
 
 
-def gelu(x: jax.Array, quick: bool) -> jax.Array:
-    """Exact (erf) GELU as torch's nn.GELU(); QuickGELU for OpenAI-style variants (H/14)."""
-    if quick:
+ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
+
+
+def gelu(x: jax.Array, act: str) -> jax.Array:
+    """'gelu': exact (erf) GELU as torch's nn.GELU(); 'quick_gelu': OpenAI CLIP's x*sigmoid(1.702x)
+    (H/14, open_clip *-quickgelu); 'gelu_tanh': the tanh approximation used by SigLIP (timm
+    act_layer='gelu_tanh', flax `nn.gelu` default in big_vision's MlpBlock)."""
+    if act == "quick_gelu":
         return x * jax.nn.sigmoid(1.702 * x)
-    return jax.nn.gelu(x, approximate=False)
+    if act == "gelu_tanh":
+        return jax.nn.gelu(x, approximate=True)
+    if act == "gelu":
+        return jax.nn.gelu(x, approximate=False)
+    raise ValueError(f"unknown activation {act!r}; choose from {ACTIVATIONS}")
 
 
 def resolve_attention_impl(impl: str, dtype: jnp.dtype) -> str | None:
@@ -108,42 +117,47 @@ class Linear(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention; q, k, v, out kept as separate kernels [D, N, H] / [N, H, D].
+    """Multi-head attention; q, k, v, out kept as separate kernels [D, N, H] / [N, H, D].
 
     torch's packed `in_proj_weight` (3D, D) rows [q; k; v] map to these by `convert.py`.
+    `causal`: token i attends to tokens <= i (open_clip's text `attn_mask`, OpenAI CLIP).
+    `kv`: keys/values from another sequence (cross-attention, the MAP head's probe query).
     """
 
     num_heads: int
     init: dict
     dtype: jnp.dtype = jnp.float32
     attention_impl: str = "auto"
+    causal: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, kv: jax.Array | None = None) -> jax.Array:
         d = x.shape[-1]
         if d % self.num_heads:
             raise ValueError(f"width {d} is not divisible by num_heads {self.num_heads}")
         h = d // self.num_heads
         x = x.astype(self.dtype)
 
-        def proj(name: str, kernel_init: Initializer) -> jax.Array:
+        def proj(name: str, inp: jax.Array, kernel_init: Initializer) -> jax.Array:
             kernel = self.param(f"{name}_kernel", nn.with_logical_partitioning(
                 lambda k, s, t=jnp.float32: kernel_init(k, (d, d), t).reshape(s), ("embed", "heads", "kv")),
                 (d, self.num_heads, h))
             bias = self.param(f"{name}_bias", nn.with_logical_partitioning(zeros, ("heads", "kv")),
                               (self.num_heads, h))
-            return jnp.einsum("btd,dnh->btnh", x, kernel.astype(self.dtype)) + bias.astype(self.dtype)
+            return jnp.einsum("btd,dnh->btnh", inp, kernel.astype(self.dtype)) + bias.astype(self.dtype)
 
-        q = proj("query", self.init["qkv"])
-        k = proj("key", self.init["qkv"])
-        v = proj("value", self.init["qkv"])
+        kv = x if kv is None else kv.astype(self.dtype)
+        q = proj("query", x, self.init["qkv"])
+        k = proj("key", kv, self.init["qkv"])
+        v = proj("value", kv, self.init["qkv"])
         impl = resolve_attention_impl(self.attention_impl, self.dtype)
         try:
-            o = jax.nn.dot_product_attention(q, k, v, implementation=impl)
+            o = jax.nn.dot_product_attention(q, k, v, is_causal=self.causal, implementation=impl)
         except (ValueError, NotImplementedError):
             if impl != "cudnn" or self.attention_impl != "auto":
                 raise
-            o = jax.nn.dot_product_attention(q, k, v, implementation="xla")  # shape not cuDNN-able
+            # shape not cuDNN-able
+            o = jax.nn.dot_product_attention(q, k, v, is_causal=self.causal, implementation="xla")
         out_kernel = self.param("out_kernel", nn.with_logical_partitioning(
             lambda k_, s, t=jnp.float32: self.init["out"](k_, (d, d), t).reshape(s), ("heads", "kv", "embed")),
             (self.num_heads, h, d))
@@ -157,23 +171,19 @@ class ResidualBlock(nn.Module):
     num_heads: int
     mlp_dim: int
     ln_eps: float
-    quick_gelu: bool
+    act: str
     init: dict
     dtype: jnp.dtype = jnp.float32
     attention_impl: str = "auto"
+    causal: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        d = x.shape[-1]
         y = LayerNorm(self.ln_eps, self.dtype, name="ln_1")(x)
-        x = x + Attention(self.num_heads, self.init, self.dtype, self.attention_impl, name="attn")(y)
+        x = x + Attention(self.num_heads, self.init, self.dtype, self.attention_impl, self.causal,
+                          name="attn")(y)
         y = LayerNorm(self.ln_eps, self.dtype, name="ln_2")(x)
-        y = Linear(self.mlp_dim, ("embed", "mlp"), self.init["fc"], self.init["fc_bias"](d),
-                   self.dtype, name="c_fc")(y)
-        y = gelu(y, self.quick_gelu)
-        y = Linear(d, ("mlp", "embed"), self.init["proj"], self.init["proj_bias"](self.mlp_dim),
-                   self.dtype, name="c_proj")(y)
-        x = x + y
+        x = x + mlp(self, y, self.mlp_dim, self.act, self.init)
         # Name the residual stream so a remat policy or sharding constraint can refer to it.
         return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
@@ -185,11 +195,12 @@ class Encoder(nn.Module):
     num_heads: int
     mlp_dim: int
     ln_eps: float
-    quick_gelu: bool
+    act: str
     init: dict
     dtype: jnp.dtype = jnp.float32
     attention_impl: str = "auto"
     remat: str = "none"
+    causal: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -199,9 +210,42 @@ class Encoder(nn.Module):
         if self.remat != "none":
             block = nn.remat(ResidualBlock, policy=REMAT_POLICIES[self.remat])
         for i in range(self.layers):
-            x = block(self.num_heads, self.mlp_dim, self.ln_eps, self.quick_gelu, self.init,
-                      self.dtype, self.attention_impl, name=f"resblocks_{i}")(x)
+            x = block(self.num_heads, self.mlp_dim, self.ln_eps, self.act, self.init,
+                      self.dtype, self.attention_impl, self.causal, name=f"resblocks_{i}")(x)
         return x
+
+
+def mlp(module: nn.Module, y: jax.Array, mlp_dim: int, act: str, init: dict) -> jax.Array:
+    """`c_fc -> act -> c_proj`, created inside `module` (a compact parent)."""
+    d = y.shape[-1]
+    dtype = getattr(module, "dtype", jnp.float32)
+    y = Linear(mlp_dim, ("embed", "mlp"), init["fc"], init["fc_bias"](d), dtype, name="c_fc")(y)
+    y = gelu(y, act)
+    return Linear(d, ("mlp", "embed"), init["proj"], init["proj_bias"](mlp_dim), dtype, name="c_proj")(y)
+
+
+class MAPHead(nn.Module):
+    """Multihead attention pooling (SigLIP): one learned probe attends over all tokens, then
+    `x + MLP(LN(x))`. Matches big_vision models/vit.py `MAPHead` and timm
+    layers/attention_pool.py `AttentionPoolLatent` (latent_len=1, no q/k norm); the attention
+    has no pre-LN and its query comes from the probe."""
+
+    num_heads: int
+    mlp_dim: int
+    ln_eps: float
+    act: str
+    init: dict
+    dtype: jnp.dtype = jnp.float32
+    attention_impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, _, d = x.shape
+        probe = self.param("probe", nn.with_logical_partitioning(normal(d ** -0.5), ("embed",)), (d,))
+        q = jnp.broadcast_to(probe.astype(self.dtype), (b, 1, d))
+        y = Attention(self.num_heads, self.init, self.dtype, self.attention_impl, name="attn")(q, kv=x)
+        z = LayerNorm(self.ln_eps, self.dtype, name="ln")(y)
+        return (y + mlp(self, z, self.mlp_dim, self.act, self.init))[:, 0]
 
 
 def block_init(width: int, layers: int, mlp_dim: int, style: str) -> dict:

@@ -4,6 +4,16 @@ Token layout `[CLS, UNC, patch_0 .. patch_{N-1}]` with position rows 0, 1, 2.. ;
 the blocks, `ln_post` on the tokens, then a *second* `ln_post` on CLS only (a quirk of the
 reference that parity needs); mu = CLS @ proj (no bias), log sigma^2 = Linear(UNC) with the
 bias initialised to -10. The patch embedding is a stride-p convolution without bias.
+
+The same module is the deterministic CLIP / SigLIP image tower (`VisionConfig` options):
+
+    family          tokens (= positional_embedding rows)   pool        params only there
+    ProLIP          CLS, UNC, patches   (grid^2 + 2)        tok (CLS)   unc_embedding, uncertainty_proj
+    open_clip CLIP  CLS, patches        (grid^2 + 1)        tok (CLS)   -
+    SigLIP          patches             (grid^2)            map         patch_bias, map_head
+
+`ln_pre` and `proj` are absent for SigLIP (no pre-LN; the MAP output is the embedding), and
+`class_embedding` without a class token. Only ProLIP (embed_unc) applies ln_post twice to CLS.
 """
 from __future__ import annotations
 
@@ -12,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from prolip_jax.models.config import VisionConfig
-from prolip_jax.models.transformer import Encoder, LayerNorm, Linear, block_init, constant, normal, uniform
+from prolip_jax.models.transformer import (Encoder, LayerNorm, Linear, MAPHead, block_init, constant, normal,
+                                          uniform)
 
 
 class VisionTower(nn.Module):
@@ -24,8 +35,10 @@ class VisionTower(nn.Module):
     remat: str = "none"
 
     @nn.compact
-    def __call__(self, images: jax.Array, keep_idx: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """images [B, H, W, 3] (normalised) -> (mu [B, E] unnormalised, log sigma^2 [B, E]).
+    def __call__(self, images: jax.Array, keep_idx: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array | None]:
+        """images [B, H, W, 3] (normalised) -> (mu [B, E] unnormalised, log sigma^2 [B, E] or
+        None without [UNC]).
 
         keep_idx: optional int [K] (shared by the batch, as the reference) or [B, K] patch
         indices in raster order to keep for the masked forward; the others are dropped before
@@ -43,10 +56,14 @@ class VisionTower(nn.Module):
             uniform((3 * p * p) ** -0.5), (None, None, None, "embed")), (p, p, 3, d))
         x = images.astype(self.dtype).reshape(b, g, p, g, p, 3)
         x = jnp.einsum("bgphqc,pqcd->bghd", x, kernel.astype(self.dtype)).reshape(b, g * g, d)
+        if c.patch_bias:
+            x = x + self.param("patch_bias", nn.with_logical_partitioning(
+                uniform((3 * p * p) ** -0.5), ("embed",)), (d,)).astype(self.dtype)
 
+        n_prefix = int(c.class_token) + int(c.embed_unc)  # [CLS]? [UNC]? before the patches
         pos = self.param("positional_embedding", nn.with_logical_partitioning(
-            normal(scale), ("pos", "embed")), (c.num_patches + 2, d)).astype(self.dtype)
-        pos_special, pos_patches = pos[:2], pos[2:]
+            normal(scale), ("pos", "embed")), (c.num_patches + n_prefix, d)).astype(self.dtype)
+        pos_special, pos_patches = pos[:n_prefix], pos[n_prefix:]
         if keep_idx is not None:
             keep_idx = jnp.asarray(keep_idx, jnp.int32)
             if keep_idx.ndim == 1:
@@ -55,26 +72,44 @@ class VisionTower(nn.Module):
             else:
                 x = jnp.take_along_axis(x, keep_idx[:, :, None], axis=1)
                 pos_patches = jnp.take(pos_patches, keep_idx, axis=0)  # [B, K, d]
-        cls = self.param("class_embedding", nn.with_logical_partitioning(normal(scale), ("embed",)), (d,))
-        unc = self.param("unc_embedding", nn.with_logical_partitioning(normal(scale), ("embed",)), (d,))
-        special = jnp.broadcast_to(jnp.stack([cls, unc]).astype(self.dtype), (b, 2, d))
-        x = jnp.concatenate([special + pos_special, x + pos_patches], axis=1)
+        special = []
+        if c.class_token:
+            special.append(self.param("class_embedding", nn.with_logical_partitioning(normal(scale), ("embed",)), (d,)))
+        if c.embed_unc:
+            special.append(self.param("unc_embedding", nn.with_logical_partitioning(normal(scale), ("embed",)), (d,)))
+        x = x + pos_patches
+        if special:
+            special = jnp.broadcast_to(jnp.stack(special).astype(self.dtype), (b, n_prefix, d))
+            x = jnp.concatenate([special + pos_special, x], axis=1)
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
-        x = LayerNorm(c.ln_eps, self.dtype, name="ln_pre")(x)
-        x = Encoder(c.layers, c.heads, c.mlp_dim, c.ln_eps, self.quick_gelu,
-                    block_init(d, c.layers, c.mlp_dim, "torch"), self.dtype, self.attention_impl,
+        if c.ln_pre:
+            x = LayerNorm(c.ln_eps, self.dtype, name="ln_pre")(x)
+        act = "quick_gelu" if self.quick_gelu else c.act
+        init = block_init(d, c.layers, c.mlp_dim, "torch")
+        x = Encoder(c.layers, c.heads, c.mlp_dim, c.ln_eps, act, init, self.dtype, self.attention_impl,
                     self.remat, name="transformer")(x)
 
-        # ln_post is per token and only tokens 0 (CLS) and 1 (UNC) are read, so apply it there.
         ln_post = LayerNorm(c.ln_eps, self.dtype, name="ln_post")
-        pooled = ln_post(x[:, :2])
-        mu_token = ln_post(pooled[:, 0])  # CLS gets ln_post twice (REFERENCE §1.2 step 6)
-        unc_token = pooled[:, 1]
+        unc_index = int(c.class_token)
+        if c.pool == "tok":
+            # ln_post is per token and only the prefix tokens are read, so apply it there only.
+            pooled = ln_post(x[:, :n_prefix])
+            mu_token = pooled[:, 0]
+            if c.embed_unc:
+                mu_token = ln_post(mu_token)  # ProLIP's CLS gets ln_post twice (REFERENCE §1.2 step 6)
+        else:  # "map": final norm on every token, then attention pooling (big_vision/timm SigLIP)
+            pooled = ln_post(x)
+            mu_token = MAPHead(c.heads, c.mlp_dim, c.ln_eps, act, init, self.dtype, self.attention_impl,
+                               name="map_head")(pooled)
 
-        proj = self.param("proj", nn.with_logical_partitioning(normal(scale), ("embed", "proj")),
-                          (d, self.embed_dim))
-        mu = jnp.dot(mu_token, proj.astype(self.dtype))
+        mu = mu_token
+        if c.proj:
+            proj = self.param("proj", nn.with_logical_partitioning(normal(scale), ("embed", "proj")),
+                              (d, self.embed_dim))
+            mu = jnp.dot(mu_token, proj.astype(self.dtype))
+        if not c.embed_unc:
+            return mu.astype(jnp.float32), None
         logvar = Linear(self.embed_dim, ("embed", "proj"), normal(scale), constant(c.init_unc_bias),
-                        self.dtype, name="uncertainty_proj")(unc_token)
+                        self.dtype, name="uncertainty_proj")(pooled[:, unc_index])
         return mu.astype(jnp.float32), logvar.astype(jnp.float32)
