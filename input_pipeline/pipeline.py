@@ -4,6 +4,7 @@
     batch = next(it)     # {"image": float32 [b, S, S, 3], "text": int32 [b, L]}, b = batch/P
     it.stats             # {"examples": ..., "skipped": ..., "skipped/corrupt_image": ...}
     state = it.get_state(); ...; it.set_state(state)     # JSON-able dict; exact resume
+    it.set_states([state of every host])   # resume on another host or worker count
     # or inside an orbax checkpoint: grain.checkpoint.CheckpointSave(it) / CheckpointRestore(it)
     it.close()
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from typing import Any, Callable, Mapping, Sequence
 
 import grain
@@ -30,7 +32,8 @@ from input_pipeline.records import REASON_INDEX, SKIP_REASONS, Skip
 
 Tokenizer = Callable[[Sequence[str]], np.ndarray]
 _PAD = Skip("padding")   # eval: a position past the end of this host's share of the data
-_STATE_VERSION = 1
+_STATE_VERSION = 2   # 2: layout and origin (resume on another host/worker count)
+log = logging.getLogger(__name__)
 
 
 class _BatchDataset(grain.IterDataset):
@@ -146,18 +149,26 @@ class InputIterator(grain.DatasetIterator):
     """Per-host batch iterator with skip statistics and a JSON-able, checked state.
 
     Works with orbax through `grain.checkpoint.CheckpointSave(it)` / `CheckpointRestore(it)`
-    (one JSON file per process) or with `get_state()` / `set_state()` directly.
+    (one JSON file per process) or with `get_state()` / `set_state()` directly. A state saved
+    with another process or worker count is resumed with `set_states(every host's state)`.
     """
 
-    def __init__(self, parent: grain.DatasetIterator, fingerprint: Mapping[str, Any]):
+    def __init__(self, parent: grain.DatasetIterator, fingerprint: Mapping[str, Any],
+                 layout: Mapping[str, int] | None = None, dataset: Any = None,
+                 order: Any = None):
         super().__init__(parent)
         self._fingerprint = dict(fingerprint)
+        self._layout = dict(layout or {"process_index": 0, "process_count": 1,
+                                       "num_workers": 0})
+        self._dataset, self._order = dataset, order   # to rebuild at a new origin
         self._counts = np.zeros(len(SKIP_REASONS), np.int64)
         self._examples = 0
         self._batches = 0
+        self._started = False
 
     def __next__(self) -> dict[str, np.ndarray]:
         self._assert_not_closed()
+        self._started = True
         batch = dict(next(self._parent))
         self._counts += np.asarray(batch.pop("_skipped"))
         self._examples += int(batch["mask"].sum()) if "mask" in batch else len(batch["text"])
@@ -181,27 +192,128 @@ class InputIterator(grain.DatasetIterator):
     def get_state(self) -> dict[str, Any]:
         return {"version": _STATE_VERSION, "source": self._parent.get_state(),
                 "skipped": self.skip_counts, "examples": self._examples,
-                "batches": self._batches, "fingerprint": self._fingerprint}
+                "batches": self._batches, "fingerprint": self._fingerprint,
+                "layout": self._layout,
+                "origin": self._order.origin if self._order is not None else None}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"Iterator state version {state.get('version')!r} is not "
-                             f"{_STATE_VERSION}; it was written by another code version.")
+        """Resumes from this host's saved state (same process and worker count), or from the
+        single state of a one-process run on any layout."""
+        state = self._checked(state)
+        if _layout_key(state["layout"]) != _layout_key(self._layout):
+            if state["layout"]["process_count"] == 1:
+                return self.set_states([state])
+            raise ValueError(
+                "The iterator state was saved by host {process_index} of {process_count} with "
+                "{num_workers} worker processes; this pipeline is host {now[process_index]} of "
+                "{now[process_count]} with {now[num_workers]}. Pass the states of all saved "
+                "hosts to set_states().".format(now=self._layout, **state["layout"]))
+        self._set_origin(state["origin"])
+        self._parent.set_state(state["source"])
+        self._counts = np.array([state["skipped"].get(r, 0) for r in SKIP_REASONS], np.int64)
+        self._examples, self._batches = int(state["examples"]), int(state["batches"])
+
+    def set_states(self, states: Sequence[dict[str, Any]]) -> None:
+        """Resumes from the states of every host of a saved run, with any process and worker
+        count. Exact sources (array_record, tfds, demo) continue the global record sequence
+        with nothing lost or repeated; tar shards are re-dealt (the cost is logged)."""
+        states = [self._checked(s) for s in states]
+        old = states[0]["layout"]
+        if sorted(s["layout"]["process_index"] for s in states) != list(
+                range(old["process_count"])) or any(
+                s["layout"]["process_count"] != old["process_count"] or
+                s["layout"]["num_workers"] != old["num_workers"] for s in states):
+            raise ValueError(f"set_states needs the state of each of the {old['process_count']} "
+                             f"saved hosts exactly once; got those of hosts "
+                             f"{sorted(s['layout']['process_index'] for s in states)}.")
+        states = sorted(states, key=lambda s: s["layout"]["process_index"])
+        if _layout_key(old) == _layout_key(self._layout):
+            return self.set_state(states[self._layout["process_index"]])
+        if self._started or self._order is None:
+            raise ValueError("A state from another host/worker layout can only be restored into "
+                             "a freshly built train iterator.")
+        if any(s["origin"] != states[0]["origin"] for s in states):
+            raise ValueError("The saved hosts' states disagree on their origin (not one run?).")
+        self._set_origin(states[0]["origin"])   # the old run's, to map its positions
+        workers = [_worker_states(s["source"], old["num_workers"]) for s in states]
+        if self._fingerprint["source"] == "tar":
+            origin, cost = tar_source.resplit_origin(self._order, old["process_count"],
+                                                     old["num_workers"], workers)
+        else:
+            origin = sources.resplit_origin(
+                self._order.origin, old["process_count"], old["num_workers"],
+                [[int(w["next_index"]) for w in per_host] for per_host in workers])
+            cost = "exact: no record lost or repeated"
+        self._set_origin(origin, force=True)
+        # Counters: every host has consumed the same batches; the sums go to host 0.
+        counts = sum(np.array([s["skipped"].get(r, 0) for r in SKIP_REASONS], np.int64)
+                     for s in states)
+        first = self._layout["process_index"] == 0
+        self._counts = counts if first else np.zeros_like(counts)
+        self._examples = sum(int(s["examples"]) for s in states) if first else 0
+        self._batches = int(states[0]["batches"])
+        if first:
+            log.warning("Data resumed on a new layout: %d hosts x %d workers -> %d hosts x %d "
+                        "workers (after %d batches); %s.", old["process_count"],
+                        old["num_workers"], self._layout["process_count"],
+                        self._layout["num_workers"], self._batches, cost)
+
+    def _checked(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The state in the current format, or a clear error if it cannot be resumed here."""
+        version = state.get("version")
+        if version not in (1, _STATE_VERSION):
+            raise ValueError(f"Iterator state version {version!r} is not {_STATE_VERSION}; it "
+                             "was written by another code version.")
         saved = state["fingerprint"]
         diff = {k: (saved.get(k), v) for k, v in self._fingerprint.items() if saved.get(k) != v}
         if diff:
             detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
             raise ValueError("The iterator state comes from a differently configured pipeline "
                              f"and cannot be resumed exactly ({detail}).")
-        self._parent.set_state(state["source"])
-        self._counts = np.array([state["skipped"].get(r, 0) for r in SKIP_REASONS], np.int64)
-        self._examples, self._batches = int(state["examples"]), int(state["batches"])
+        if version == 1:   # layout in the fingerprint; origin (0, []) or a fresh tar start
+            layout = {k: saved[k] for k in ("process_index", "process_count", "num_workers")}
+            if saved["num_records"] and saved["num_records"] % layout["process_count"]:
+                raise ValueError("This version-1 iterator state (whose epochs dropped "
+                                 "num_records % process_count records) cannot be resumed "
+                                 "exactly by this version.")
+            origin = None if saved["source"] == "tar" else {"base": 0, "done": []}
+            state = dict(state, layout=layout, origin=origin, version=_STATE_VERSION)
+        return state
+
+    def _set_origin(self, origin: Any, force: bool = False) -> None:
+        """Moves the source to `origin`; a new origin needs a fresh parent iterator."""
+        if self._order is None or (origin == self._order.origin and not force):
+            return
+        if self._fingerprint["source"] == "tar":
+            self._order.set_origin(origin)
+        else:
+            self._order.set_origin(origin["base"], origin["done"])
+        parent = self._dataset.__iter__()
+        self._parent.close()
+        self._parents = (parent,)
 
     def __enter__(self) -> "InputIterator":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _layout_key(layout: Mapping[str, int]) -> tuple[int, int, int]:
+    return layout["process_index"], layout["process_count"], layout["num_workers"]
+
+
+def _worker_states(state: dict[str, Any], num_workers: int) -> list[dict[str, Any]]:
+    """Per-worker source states out of a host's state (grain's mp_prefetch interleaves one
+    iterator per worker; without workers the host's state is its single worker's)."""
+    if num_workers == 0:
+        return [state]
+    out: list[Any] = [None] * num_workers
+    for i, st in zip(state["iterators_in_use_indices"], state["iterators_in_use_states"]):
+        out[i] = st
+    if any(st is None for st in out):
+        raise ValueError("The saved state lacks some worker's position (a finished epoch?).")
+    return out
 
 
 def _process_index_count(process_index: int | None, process_count: int | None
@@ -215,7 +327,7 @@ def _process_index_count(process_index: int | None, process_count: int | None
     return process_index, process_count
 
 
-def _resolve_tokenizer(cfg: DataConfig, tokenizer: Tokenizer | None) -> Tokenizer:
+def resolve_tokenizer(cfg: DataConfig, tokenizer: Tokenizer | None) -> Tokenizer:
     if tokenizer is not None:
         return tokenizer
     if cfg.source == "demo":
@@ -264,12 +376,19 @@ def build_dataset(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer |
                   *, train: bool = True, process_index: int | None = None,
                   process_count: int | None = None) -> tuple[grain.IterDataset, dict[str, Any]]:
     """The grain IterDataset of per-host batches, and the fingerprint of its data order."""
+    return _build(config, tokenizer, train, process_index, process_count)[:2]
+
+
+def _build(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer | None, train: bool,
+           process_index: int | None, process_count: int | None
+           ) -> tuple[grain.IterDataset, dict[str, Any], dict[str, int], Any]:
+    """(dataset, fingerprint, host/worker layout, the order dataset that holds the origin)."""
     cfg = DataConfig.from_mapping(config)
     h, p = _process_index_count(process_index, process_count)
     if cfg.batch_size % p:
         raise ValueError(f"data.batch_size={cfg.batch_size} is not divisible by the "
                          f"{p} hosts.")
-    tokenizer = _resolve_tokenizer(cfg, tokenizer)
+    tokenizer = resolve_tokenizer(cfg, tokenizer)
     decoder = ExampleDecoder(DecodeConfig(
         image_size=cfg.image_size, train=train, augment=cfg.augment_config() if train else None,
         max_image_pixels=cfg.max_image_pixels, min_image_side=cfg.min_image_side,
@@ -283,19 +402,21 @@ def build_dataset(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer |
             raise ValueError(f"{len(files)} tar shards cannot feed {p} hosts x {workers} "
                              "worker processes (each needs at least one shard): use fewer "
                              "workers or split the data into more shards.")
-        ds = tar_source.TarStreamDataset(
+        order = tar_source.TarStreamDataset(
             files, seed=cfg.seed, shuffle=shuffle, process_index=h, process_count=p,
-            num_epochs=num_epochs, shuffle_buffer_size=cfg.shuffle_buffer_size).map(decoder)
+            num_epochs=num_epochs, shuffle_buffer_size=cfg.shuffle_buffer_size)
+        ds = order.map(decoder)
         size = None
     else:
         src, to_raw, files = _random_access_source(cfg)
         size = len(src)
         if train:
-            ds = sources.EpochOrderDataset(grain.MapDataset.source(src), seed=cfg.seed,
-                                           shuffle=shuffle, process_index=h, process_count=p,
-                                           num_epochs=num_epochs)
+            ds = order = sources.EpochOrderDataset(
+                grain.MapDataset.source(src), seed=cfg.seed, shuffle=shuffle, process_index=h,
+                process_count=p, num_epochs=num_epochs)
             ds = ds.map(_Compose(to_raw, decoder))
         else:
+            order = None
             ds = grain.MapDataset.range(-(-size // p)).map(
                 _Compose(_EvalPosition(src, h, p), to_raw, decoder))
         ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.read_threads,
@@ -309,9 +430,9 @@ def build_dataset(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer |
     fingerprint = {
         "source": cfg.source, "files": _digest(files), "num_records": size, "train": train,
         "seed": cfg.seed, "shuffle": shuffle, "batch_size": cfg.batch_size,
-        "process_index": h, "process_count": p, "num_workers": cfg.num_workers,
         "shuffle_buffer_size": cfg.shuffle_buffer_size if cfg.source == "tar" else None}
-    return ds, fingerprint
+    layout = {"process_index": h, "process_count": p, "num_workers": cfg.num_workers}
+    return ds, fingerprint, layout, order
 
 
 class _EvalPosition:
@@ -349,9 +470,9 @@ def build_train_iterator(config: Mapping[str, Any] | DataConfig,
 
     Batches are always full: dropped records are replaced by the next ones. With a finite
     `num_epochs` the last partial batch of each worker is dropped."""
-    ds, fingerprint = build_dataset(config, tokenizer, train=True, process_index=process_index,
-                                    process_count=process_count)
-    return InputIterator(ds.__iter__(), fingerprint)
+    ds, fingerprint, layout, order = _build(config, tokenizer, True, process_index,
+                                            process_count)
+    return InputIterator(ds.__iter__(), fingerprint, layout, ds, order)
 
 
 def build_eval_iterator(config: Mapping[str, Any] | DataConfig,
@@ -365,6 +486,5 @@ def build_eval_iterator(config: Mapping[str, Any] | DataConfig,
     batches, so a multi-host eval never waits on a host that ran out. Tar shards hold unknown
     numbers of records, so hosts may yield different numbers of batches: for multi-host eval
     convert them to ArrayRecord first (scripts/tar_to_array_record.py)."""
-    ds, fingerprint = build_dataset(config, tokenizer, train=False, process_index=process_index,
-                                    process_count=process_count)
-    return InputIterator(ds.__iter__(), fingerprint)
+    ds, fingerprint, layout, _ = _build(config, tokenizer, False, process_index, process_count)
+    return InputIterator(ds.__iter__(), fingerprint, layout)

@@ -160,16 +160,32 @@ class TarStreamDataset(grain.IterDataset):
         self.num_epochs = num_epochs
         self.window = max(1, shuffle_buffer_size if shuffle else 1)
         self.worker_slice = slice(None)
+        self.origin: dict[str, Any] | None = None
+
+    def set_origin(self, origin: dict[str, Any] | None) -> None:
+        """After a re-deal (see `resplit_origin`): {"epoch": e, "shards": [[shard, first
+        group], ...]}, what is left of epoch e for all hosts; the run starts there."""
+        self.origin = origin
 
     def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
         """Called by grain's `mp_prefetch` on each worker's copy of the dataset."""
         del sequential_slice
         self.worker_slice = sl
 
+    def all_tasks(self, epoch: int) -> list[tuple[int, int]]:
+        """(shard index, first group) of every host and worker in `epoch`, in dealing order."""
+        if self.origin is not None and epoch == self.origin["epoch"]:
+            return [(int(s), int(g)) for s, g in self.origin["shards"]]
+        order = shard_order(len(self.shard_paths), self.seed, epoch, self.shuffle)
+        return [(int(s), 0) for s in order]
+
+    def tasks_for_epoch(self, epoch: int) -> list[tuple[int, int]]:
+        """(shard index, first group) this host/worker reads in `epoch`, in reading order."""
+        return self.all_tasks(epoch)[self.process_index::self.process_count][self.worker_slice]
+
     def shards_for_epoch(self, epoch: int) -> np.ndarray:
         """Indices (into shard_paths) this host/worker reads in `epoch`, in reading order."""
-        order = shard_order(len(self.shard_paths), self.seed, epoch, self.shuffle)
-        return order[self.process_index::self.process_count][self.worker_slice]
+        return np.array([s for s, _ in self.tasks_for_epoch(epoch)], np.int64)
 
     def __iter__(self) -> "_TarStreamIterator":
         return _TarStreamIterator(self)
@@ -185,7 +201,8 @@ class _TarStreamIterator(grain.DatasetIterator):
     def __init__(self, ds: TarStreamDataset):
         super().__init__()
         self._ds = ds
-        self._set_position(epoch=0, shard_pos=0, group_pos=0, index=0)
+        start = ds.origin["epoch"] if ds.origin is not None else 0
+        self._set_position(epoch=start, shard_pos=0, group_pos=0, index=0)
 
     def _set_position(self, epoch: int, shard_pos: int, group_pos: int, index: int) -> None:
         self._epoch, self._shard_pos, self._group_pos = epoch, shard_pos, group_pos
@@ -195,10 +212,10 @@ class _TarStreamIterator(grain.DatasetIterator):
 
     def _read_epoch(self, epoch: int, shard_pos: int, group_pos: int):
         """Yields (shard_pos, group index, record) from a position to the end of the epoch."""
-        shards = self._ds.shards_for_epoch(epoch)
-        for pos in range(shard_pos, len(shards)):
-            sid = int(shards[pos])
-            start = group_pos if pos == shard_pos else 0
+        tasks = self._ds.tasks_for_epoch(epoch)
+        for pos in range(shard_pos, len(tasks)):
+            sid, first = tasks[pos]
+            start = max(first, group_pos) if pos == shard_pos else first
             for g, rec in iter_shard(self._ds.shard_paths[sid], sid, epoch, start):
                 yield pos, g, rec
 
@@ -253,3 +270,39 @@ class _TarStreamIterator(grain.DatasetIterator):
         # are then dropped (a drained window, index == its size, is simply read past).
         self._set_position(int(state["epoch"]), int(state["shard_pos"]),
                            int(state["group_pos"]), int(state["index"]))
+
+
+def resplit_origin(ds: TarStreamDataset, process_count: int, num_workers: int,
+                   states: Sequence[Sequence[dict[str, Any]]]) -> tuple[dict[str, Any], str]:
+    """Re-deals the shards left to read to another host/worker layout.
+
+    `ds` is any host's dataset with the old run's origin; states[h][w] is worker w of old
+    host h's iterator state. Returns the new origin (for `set_origin`) and what the change
+    costs, in words: each old worker's shuffle window is read again from its start (its
+    records already produced are seen twice); a worker already in a later epoch than the
+    slowest one has its progress there dropped (those records are seen twice too).
+    """
+    epoch = min(int(st["epoch"]) for per_host in states for st in per_host)
+    tasks = ds.all_tasks(epoch)
+    w_count = max(1, num_workers)
+    left: dict[int, int] = {}
+    twice, ahead_shards = 0, 0
+    for h, per_host in enumerate(states):
+        for w, st in enumerate(per_host):
+            mine = tasks[h::process_count][w::w_count]
+            if int(st["epoch"]) > epoch:   # done with this epoch: the later one starts over
+                twice += int(st["index"])
+                ahead_shards += max(0, int(st["shard_pos"])) + 1
+                continue
+            pos = max(0, int(st["shard_pos"]))
+            if pos < len(mine):
+                sid, first = mine[pos]
+                left[sid] = max(first, int(st["group_pos"]))
+                twice += int(st["index"])
+            left.update(mine[pos + 1:])
+    origin = {"epoch": epoch, "shards": [[s, left[s]] for s, _ in tasks if s in left]}
+    cost = f"{twice} records seen twice (the read part of each worker's shuffle window)"
+    if ahead_shards:
+        cost += (f", plus up to {ahead_shards} shards of epoch {epoch + 1} that workers "
+                 "ahead had started, read again")
+    return origin, cost
