@@ -176,6 +176,11 @@ class InputIterator(grain.DatasetIterator):
         return batch
 
     @property
+    def layout(self) -> dict[str, int]:
+        """{"process_index", "process_count", "num_workers"} of this pipeline."""
+        return dict(self._layout)
+
+    @property
     def skip_counts(self) -> dict[str, int]:
         """Records dropped so far on this host, per reason (records.SKIP_REASONS)."""
         return {r: int(n) for r, n in zip(SKIP_REASONS, self._counts)}

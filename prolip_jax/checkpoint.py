@@ -13,12 +13,15 @@ directory and renames it when complete, so an interrupted save never looks like 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from prolip_jax.models.config import ProLIPConfig
 
@@ -123,21 +126,59 @@ def save_train_state(mngr: ocp.CheckpointManager, step: int, state: Any, model_c
 
 def restore_train_state(mngr: ocp.CheckpointManager, step: int, abstract: Any, data: Any) -> Any:
     """The train state at `step`, placed as `abstract` (a TrainState of ShapeDtypeStructs with
-    shardings: any mesh); `data` is moved to the position it had when that step was saved."""
-    import grain
-
-    from prolip_jax.data import StateSnapshot
-
-    snapshot = StateSnapshot()
+    shardings: any mesh); `data` is moved to the position it had when that step was saved,
+    also when the run now has another process or worker count (see `restore_data_state`)."""
     restored = mngr.restore(step, args=ocp.args.Composite(**{
         PARAMS: ocp.args.StandardRestore(abstract.params),
         OPT_STATE: ocp.args.StandardRestore(abstract.opt_state),
         COUNTERS: ocp.args.StandardRestore({"step": abstract.step, "skipped": abstract.skipped}),
-        DATA: grain.checkpoint.CheckpointRestore(snapshot),
     }))
-    snapshot.restore_into(data)
+    restore_data_state(epath.Path(mngr.directory) / str(step) / DATA, data)
     counters = restored[COUNTERS]
     if int(counters["step"]) != step:
         raise ValueError(f"checkpoint {step} holds step counter {int(counters['step'])}")
     return type(abstract)(step=counters["step"], params=restored[PARAMS], opt_state=restored[OPT_STATE],
                            skipped=counters["skipped"])
+
+
+_DATA_FILE = re.compile(r"^process_(\d+)-of-(\d+)\.json$")
+
+
+def restore_data_state(directory: str | os.PathLike, data: Any) -> None:
+    """Moves `data` to the position saved in `directory` (grain's CheckpointSave writes one
+    `process_<i>-of-<n>.json` per process). With the saved process count, each process reads
+    its own file; with another one (or another worker count), the states of all n saved
+    processes are read (the checkpoint directory is shared) and the data re-split."""
+    directory = epath.Path(directory)   # also gs:// and other remote checkpoint roots
+    files: dict[tuple[int, int], Any] = {}
+    for f in directory.glob("process_*-of-*.json") if directory.is_dir() else ():
+        m = _DATA_FILE.match(f.name)
+        if m:
+            files[int(m.group(1)), int(m.group(2))] = f
+    counts = sorted({n for _, n in files})
+    if len(counts) != 1:
+        raise FileNotFoundError(f"{directory} holds no data iterator state (process_<i>-of-<n>.json)"
+                                if not counts else
+                                f"{directory} mixes the data states of runs with {counts} processes")
+    saved = counts[0]
+    me, now = jax.process_index(), jax.process_count()
+    missing = sorted(set(range(saved)) - {i for i, _ in files})
+    if saved == now and (me, saved) in files:
+        state = json.loads(files[me, saved].read_text())
+        if getattr(data, "layout", None) in (None, state.get("layout")):
+            data.set_state(state)   # the common case: same layout, this process's own file
+            return
+    if not hasattr(data, "set_states"):   # RandomBatches: its position is global already
+        if (0, saved) not in files:
+            raise FileNotFoundError(f"{directory / f'process_0-of-{saved}.json'} is missing")
+        data.set_state(json.loads(files[0, saved].read_text()))
+        if me == 0 and saved != now:
+            logging.warning("Data resumed on a new layout: %d -> %d processes (random batches: exact).",
+                            saved, now)
+        return
+    if missing:
+        raise FileNotFoundError(
+            f"Resuming the data of a {saved}-process run on {now} processes needs the state of every "
+            f"saved process, but {', '.join(f'process_{i}-of-{saved}.json' for i in missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} missing from {directory}.")
+    data.set_states([json.loads(files[i, saved].read_text()) for i in range(saved)])

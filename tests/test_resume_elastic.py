@@ -26,8 +26,8 @@ def data(tmp_path_factory):
 
 
 def _cfg(data, source, **kw):
-    return dict(source=source, path=data[source], batch_size=8, image_size=16, seed=0,
-                shuffle_buffer_size=5, augment=False, **kw)
+    return {**dict(source=source, path=data[source], batch_size=8, image_size=16, seed=0,
+                   shuffle_buffer_size=5, augment=False), **kw}
 
 
 def _hosts(cfg, count):
@@ -81,3 +81,39 @@ def test_exact_source_resumes_on_another_worker_count(data):
     # Two workers group the records of batches 4..7 differently, but read exactly them.
     assert set().union(*second) == set().union(*expected[4:8])
     assert sum(len(b) for b in second) == 32
+
+
+def test_tar_shards_are_re_dealt_and_the_cost_counted(data, caplog):
+    cfg = _cfg(data, "tar", num_epochs=1)
+    seen = []
+    hosts = _hosts(cfg, 2)
+    for it in hosts:
+        seen += [k for _ in range(3) for k in next(it)["text"][:, 0].tolist()]
+    states = [json.loads(json.dumps(it.get_state())) for it in hosts]
+    one = _hosts(cfg, 1)[0]
+    with caplog.at_level(logging.WARNING):
+        one.set_states(states)
+    [line] = [r.getMessage() for r in caplog.records if "new layout" in r.getMessage()]
+    assert "2 hosts x 0 workers -> 1 hosts x 0 workers" in line
+    twice = int(line.split("; ")[1].split(" records seen twice")[0])
+    assert 0 < twice <= 2 * 5   # at most one shuffle window per old worker
+    rest = [k for b in one for k in b["text"][:, 0].tolist()]   # to the end of the epoch
+    keys = seen + rest
+    assert len(keys) - len(set(keys)) == twice   # exactly the counted records come twice
+    assert len(ALL_KEYS - set(keys)) < 8 and set(keys) <= ALL_KEYS   # only the last partial
+    assert len(keys) + len(ALL_KEYS - set(keys)) == N + twice        # batch is dropped
+
+
+def test_other_differences_are_still_refused(data):
+    it = _hosts(_cfg(data, "array_record"), 2)
+    next(it[0]), next(it[1])
+    states = [it[0].get_state(), it[1].get_state()]
+    other = pipeline.build_train_iterator(_cfg(data, "array_record", seed=3), TOK,
+                                          process_index=0, process_count=1)
+    with pytest.raises(ValueError, match="seed: saved 0, now 3"):
+        other.set_states(states)
+    one = _hosts(_cfg(data, "array_record"), 1)[0]
+    with pytest.raises(ValueError, match="each of the 2 saved hosts exactly once"):
+        one.set_states(states[:1])
+    with pytest.raises(ValueError, match="Pass the states of all saved hosts"):
+        one.set_state(states[1])
