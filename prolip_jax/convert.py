@@ -24,11 +24,20 @@ from prolip_jax.models.config import ProLIPConfig
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
-# Layout kinds: how one torch tensor maps to one (or three) Flax leaves.
+# Layout kinds: how one source tensor maps to one (or several) Flax leaves.
 #   copy   same array                         linear  torch (out, in)  <-> flax (in, out)
 #   conv   torch (O, I, kh, kw) <-> flax (kh, kw, I, O)
-#   qkv_w  torch (3D, D) rows [q; k; v] <-> 3 x flax (D, N, H)  (heads = contiguous H columns)
-#   qkv_b  torch (3D,)  <-> 3 x flax (N, H)     out_w  torch (D, N*H) <-> flax (N, H, D)
+#   qkv_w  torch (nD, D) rows [q; k; v] (n = number of leaves: 3 packed, 2 for timm's `kv`,
+#          1 for a lone `q`) <-> n x flax (D, N, H)  (heads = contiguous H columns)
+#   qkv_b  torch (nD,)  <-> n x flax (N, H)     out_w  torch (D, N*H) <-> flax (N, H, D)
+#   lead1 / lead2  the source has 1 / 2 extra leading unit axes: timm `pos_embed` (1, N, D),
+#          `latent` (1, 1, D), big_vision `t` (1,) <-> flax (N, D), (D,), ()
+# Layouts (`conversion_rules(config, layout)`) name the state_dict families:
+#   prolip          the reference ProLIP (`visual.*` open_clip ViT + [UNC], `text.*`)
+#   open_clip       open_clip's `CLIP` class = OpenAI CLIP (`visual.*`, text at the top level)
+#   open_clip_text  open_clip's `CustomTextCLIP` with an open_clip ViT (`visual.*`, `text.*`)
+#   timm_siglip     open_clip's `CustomTextCLIP` with a timm ViT (`visual.trunk.*`, `text.*`)
+LAYOUTS = ("prolip", "open_clip", "open_clip_text", "timm_siglip")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,54 +47,127 @@ class Rule:
     kind: str
 
 
+def _ln(src: str, dst: tuple[str, ...], weight: str = "weight") -> list[Rule]:
+    return [Rule(f"{src}.{weight}", (dst + ("scale",),), "copy"), Rule(f"{src}.bias", (dst + ("bias",),), "copy")]
+
+
+def _dense(src: str, dst: tuple[str, ...]) -> list[Rule]:
+    return [Rule(f"{src}.weight", (dst + ("kernel",),), "linear"), Rule(f"{src}.bias", (dst + ("bias",),), "copy")]
+
+
+def _attn(dst: tuple[str, ...], names: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    return tuple(dst + ("attn", f"{n}_kernel") for n in names), tuple(dst + ("attn", f"{n}_bias") for n in names)
+
+
 def _block_rules(tprefix: str, fprefix: tuple[str, ...], layers: int) -> Iterator[Rule]:
+    """open_clip ResidualAttentionBlock: `{tprefix}.transformer.resblocks.{i}.*`."""
     for i in range(layers):
-        t, f = f"{tprefix}.transformer.resblocks.{i}", fprefix + ("transformer", f"resblocks_{i}")
-        for ln in ("ln_1", "ln_2"):
-            yield Rule(f"{t}.{ln}.weight", (f + (ln, "scale"),), "copy")
-            yield Rule(f"{t}.{ln}.bias", (f + (ln, "bias"),), "copy")
-        qkv = ("query", "key", "value")
-        yield Rule(f"{t}.attn.in_proj_weight", tuple(f + ("attn", f"{n}_kernel") for n in qkv), "qkv_w")
-        yield Rule(f"{t}.attn.in_proj_bias", tuple(f + ("attn", f"{n}_bias") for n in qkv), "qkv_b")
+        t, f = f"{tprefix}transformer.resblocks.{i}", fprefix + ("transformer", f"resblocks_{i}")
+        yield from _ln(f"{t}.ln_1", f + ("ln_1",))
+        yield from _ln(f"{t}.ln_2", f + ("ln_2",))
+        kernels, biases = _attn(f, ("query", "key", "value"))
+        yield Rule(f"{t}.attn.in_proj_weight", kernels, "qkv_w")
+        yield Rule(f"{t}.attn.in_proj_bias", biases, "qkv_b")
         yield Rule(f"{t}.attn.out_proj.weight", (f + ("attn", "out_kernel"),), "out_w")
         yield Rule(f"{t}.attn.out_proj.bias", (f + ("attn", "out_bias"),), "copy")
-        for fc in ("c_fc", "c_proj"):
-            yield Rule(f"{t}.mlp.{fc}.weight", (f + (fc, "kernel"),), "linear")
-            yield Rule(f"{t}.mlp.{fc}.bias", (f + (fc, "bias"),), "copy")
+        yield from _dense(f"{t}.mlp.c_fc", f + ("c_fc",))
+        yield from _dense(f"{t}.mlp.c_proj", f + ("c_proj",))
 
 
-def conversion_rules(config: ProLIPConfig) -> list[Rule]:
-    """Every torch key of a ProLIP state_dict and the Flax leaves it corresponds to."""
-    v = ("visual",)
-    rules = [
-        Rule("logit_scale", (("logit_scale",),), "copy"),
-        Rule("logit_bias", (("logit_bias",),), "copy"),
-        Rule("visual.class_embedding", (v + ("class_embedding",),), "copy"),
-        Rule("visual.unc_embedding", (v + ("unc_embedding",),), "copy"),
-        Rule("visual.positional_embedding", (v + ("positional_embedding",),), "copy"),
-        Rule("visual.proj", (v + ("proj",),), "copy"),  # already (in, out): used as x @ proj
-        Rule("visual.conv1.weight", (v + ("patch_kernel",),), "conv"),
-        Rule("visual.ln_pre.weight", (v + ("ln_pre", "scale"),), "copy"),
-        Rule("visual.ln_pre.bias", (v + ("ln_pre", "bias"),), "copy"),
-        *_block_rules("visual", v, config.vision.layers),
-        Rule("visual.ln_post.weight", (v + ("ln_post", "scale"),), "copy"),
-        Rule("visual.ln_post.bias", (v + ("ln_post", "bias"),), "copy"),
-        Rule("visual.uncertainty_proj.weight", (v + ("uncertainty_proj", "kernel"),), "linear"),
-        Rule("visual.uncertainty_proj.bias", (v + ("uncertainty_proj", "bias"),), "copy"),
-    ]
-    t = ("text",)
-    rules += [
-        Rule("text.cls_emb", (t + ("cls_emb",),), "copy"),
-        Rule("text.unc_emb", (t + ("unc_emb",),), "copy"),
-        Rule("text.positional_embedding", (t + ("positional_embedding",),), "copy"),
-        Rule("text.token_embedding.weight", (t + ("token_embedding",),), "copy"),
-        *_block_rules("text", t, config.text.layers),
-        Rule("text.ln_final.weight", (t + ("ln_final", "scale"),), "copy"),
-        Rule("text.ln_final.bias", (t + ("ln_final", "bias"),), "copy"),
-    ]
-    for name in ("text_projection", "text_uncertainty_projection"):
-        rules.append(Rule(f"text.{name}.weight", (t + (name, "kernel"),), "linear"))
-        rules.append(Rule(f"text.{name}.bias", (t + (name, "bias"),), "copy"))
+def _timm_block_rules(tprefix: str, fprefix: tuple[str, ...], layers: int) -> Iterator[Rule]:
+    """timm VisionTransformer Block (timm/models/vision_transformer.py): norm1, attn.qkv
+    (packed like torch's in_proj), attn.proj, norm2, mlp.fc1/fc2."""
+    for i in range(layers):
+        t, f = f"{tprefix}blocks.{i}", fprefix + ("transformer", f"resblocks_{i}")
+        yield from _ln(f"{t}.norm1", f + ("ln_1",))
+        yield from _ln(f"{t}.norm2", f + ("ln_2",))
+        kernels, biases = _attn(f, ("query", "key", "value"))
+        yield Rule(f"{t}.attn.qkv.weight", kernels, "qkv_w")
+        yield Rule(f"{t}.attn.qkv.bias", biases, "qkv_b")
+        yield Rule(f"{t}.attn.proj.weight", (f + ("attn", "out_kernel"),), "out_w")
+        yield Rule(f"{t}.attn.proj.bias", (f + ("attn", "out_bias"),), "copy")
+        yield from _dense(f"{t}.mlp.fc1", f + ("c_fc",))
+        yield from _dense(f"{t}.mlp.fc2", f + ("c_proj",))
+
+
+def _open_clip_vision_rules(config: ProLIPConfig) -> list[Rule]:
+    """open_clip VisionTransformer (`visual.*`), plus ProLIP's [UNC] parameters."""
+    c, v = config.vision, ("visual",)
+    if c.pool != "tok" or c.patch_bias:
+        raise ValueError("an open_clip VisionTransformer has a [CLS] pool and no patch bias")
+    rules = [Rule("visual.conv1.weight", (v + ("patch_kernel",),), "conv"),
+             Rule("visual.positional_embedding", (v + ("positional_embedding",),), "copy"),
+             Rule("visual.class_embedding", (v + ("class_embedding",),), "copy")]
+    if c.embed_unc:
+        rules.append(Rule("visual.unc_embedding", (v + ("unc_embedding",),), "copy"))
+    if c.ln_pre:
+        rules += _ln("visual.ln_pre", v + ("ln_pre",))
+    rules += [*_block_rules("visual.", v, c.layers), *_ln("visual.ln_post", v + ("ln_post",))]
+    if c.proj:
+        rules.append(Rule("visual.proj", (v + ("proj",),), "copy"))  # already (in, out): x @ proj
+    if c.embed_unc:
+        rules += _dense("visual.uncertainty_proj", v + ("uncertainty_proj",))
+    return rules
+
+
+def _timm_vision_rules(config: ProLIPConfig) -> list[Rule]:
+    """open_clip TimmModel wrapping a timm ViT (`visual.trunk.*`) with the MAP head
+    (timm/layers/attention_pool.py AttentionPoolLatent: latent, q, kv, proj, norm, mlp) and no
+    extra projection (open_clip SigLIP configs: timm_pool="map", timm_proj="none")."""
+    c, v, t = config.vision, ("visual",), "visual.trunk."
+    if c.embed_unc or c.ln_pre or c.proj or c.pool != "map" or not c.patch_bias:
+        raise ValueError("the timm SigLIP layout needs a VisionConfig with embed_unc=False, ln_pre=False, "
+                         "proj=False, pool='map', patch_bias=True")
+    m = v + ("map_head",)
+    rules = [Rule(f"{t}patch_embed.proj.weight", (v + ("patch_kernel",),), "conv"),
+             Rule(f"{t}patch_embed.proj.bias", (v + ("patch_bias",),), "copy"),
+             Rule(f"{t}pos_embed", (v + ("positional_embedding",),), "lead1")]
+    if c.class_token:
+        rules.append(Rule(f"{t}cls_token", (v + ("class_embedding",),), "lead2"))
+    rules += [*_timm_block_rules(t, v, c.layers), *_ln(f"{t}norm", v + ("ln_post",)),
+              Rule(f"{t}attn_pool.latent", (m + ("probe",),), "lead2")]
+    q_k, q_b = _attn(m, ("query",))
+    kv_k, kv_b = _attn(m, ("key", "value"))
+    rules += [Rule(f"{t}attn_pool.q.weight", q_k, "qkv_w"), Rule(f"{t}attn_pool.q.bias", q_b, "qkv_b"),
+              Rule(f"{t}attn_pool.kv.weight", kv_k, "qkv_w"), Rule(f"{t}attn_pool.kv.bias", kv_b, "qkv_b"),
+              Rule(f"{t}attn_pool.proj.weight", (m + ("attn", "out_kernel"),), "out_w"),
+              Rule(f"{t}attn_pool.proj.bias", (m + ("attn", "out_bias"),), "copy"),
+              *_ln(f"{t}attn_pool.norm", m + ("ln",)),
+              *_dense(f"{t}attn_pool.mlp.fc1", m + ("c_fc",)),
+              *_dense(f"{t}attn_pool.mlp.fc2", m + ("c_proj",))]
+    return rules
+
+
+def _text_rules(config: ProLIPConfig, prefix: str) -> list[Rule]:
+    """open_clip TextTransformer under `prefix` ('text.', or '' in open_clip's CLIP class)."""
+    c, t = config.text, ("text",)
+    rules = []
+    if c.embed_unc:
+        rules += [Rule(f"{prefix}cls_emb", (t + ("cls_emb",),), "copy"),
+                  Rule(f"{prefix}unc_emb", (t + ("unc_emb",),), "copy")]
+    rules += [Rule(f"{prefix}positional_embedding", (t + ("positional_embedding",),), "copy"),
+              Rule(f"{prefix}token_embedding.weight", (t + ("token_embedding",),), "copy"),
+              *_block_rules(prefix, t, c.layers), *_ln(f"{prefix}ln_final", t + ("ln_final",))]
+    if c.proj_bias:  # open_clip: nn.Linear(width, embed_dim) when proj_bias, else a raw (in, out) Parameter
+        rules += _dense(f"{prefix}text_projection", t + ("text_projection",))
+    else:
+        rules.append(Rule(f"{prefix}text_projection", (t + ("text_projection", "kernel"),), "copy"))
+    if c.embed_unc:
+        rules += _dense(f"{prefix}text_uncertainty_projection", t + ("text_uncertainty_projection",))
+    return rules
+
+
+def conversion_rules(config: ProLIPConfig, layout: str = "prolip", logit_bias: bool = True) -> list[Rule]:
+    """Every torch key of a state_dict of this layout and the Flax leaves it corresponds to.
+
+    `logit_bias=False`: the source has none (OpenAI CLIP); the Flax leaf is then not covered."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown state_dict layout {layout!r}; known: {LAYOUTS}")
+    rules = [Rule("logit_scale", (("logit_scale",),), "copy")]
+    if logit_bias:
+        rules.append(Rule("logit_bias", (("logit_bias",),), "copy"))
+    rules += _timm_vision_rules(config) if layout == "timm_siglip" else _open_clip_vision_rules(config)
+    rules += _text_rules(config, "" if layout == "open_clip" else "text.")
     return rules
 
 
@@ -98,11 +180,13 @@ def _to_flax(kind: str, w: np.ndarray, flax_shapes: list[tuple[int, ...]]) -> li
     if kind == "conv":
         return [w.transpose(2, 3, 1, 0)]
     if kind == "qkv_w":
-        return [part.T.reshape(s) for part, s in zip(np.split(w, 3, axis=0), flax_shapes)]
+        return [part.T.reshape(s) for part, s in zip(np.split(w, len(flax_shapes), axis=0), flax_shapes)]
     if kind == "qkv_b":
-        return [part.reshape(s) for part, s in zip(np.split(w, 3), flax_shapes)]
+        return [part.reshape(s) for part, s in zip(np.split(w, len(flax_shapes)), flax_shapes)]
     if kind == "out_w":
         return [w.T.reshape(flax_shapes[0])]
+    if kind in ("lead1", "lead2"):
+        return [w.reshape(flax_shapes[0])]
     raise ValueError(kind)
 
 
@@ -120,11 +204,13 @@ def _to_torch(kind: str, leaves: list[np.ndarray]) -> np.ndarray:
     if kind == "out_w":
         n, h, d = leaves[0].shape
         return leaves[0].reshape(n * h, d).T
+    if kind in ("lead1", "lead2"):
+        return leaves[0].reshape(_torch_shape(kind, [leaves[0].shape]))
     raise ValueError(kind)
 
 
 def _torch_shape(kind: str, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
-    s = shapes[0]
+    s, n = shapes[0], len(shapes)
     if kind == "copy":
         return tuple(s)
     if kind == "linear":
@@ -132,11 +218,15 @@ def _torch_shape(kind: str, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     if kind == "conv":
         return (s[3], s[2], s[0], s[1])
     if kind == "qkv_w":
-        return (3 * s[1] * s[2], s[0])
+        return (n * s[1] * s[2], s[0])
     if kind == "qkv_b":
-        return (3 * s[0] * s[1],)
+        return (n * s[0] * s[1],)
     if kind == "out_w":
         return (s[2], s[0] * s[1])
+    if kind == "lead1":
+        return (1, *s)
+    if kind == "lead2":
+        return (1, 1, *s)
     raise ValueError(kind)
 
 
@@ -152,22 +242,32 @@ def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
     tree[path[-1]] = value
 
 
-def expected_torch_shapes(config: ProLIPConfig) -> dict[str, tuple[int, ...]]:
+def rule_shapes(rules: list[Rule], abstract: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """source key -> the shape it must have for the model whose parameter shapes are `abstract`."""
+    return {r.torch_key: _torch_shape(r.kind, [tuple(_get(abstract, p).shape) for p in r.flax_paths])
+            for r in rules}
+
+
+def expected_torch_shapes(config: ProLIPConfig, layout: str = "prolip") -> dict[str, tuple[int, ...]]:
     """torch key -> shape for a model of this config (no parameters are allocated)."""
     from prolip_jax.models.prolip import abstract_params  # local: keeps this module light
 
-    abstract = abstract_params(config)
-    return {r.torch_key: _torch_shape(r.kind, [tuple(_get(abstract, p).shape) for p in r.flax_paths])
-            for r in conversion_rules(config)}
+    return rule_shapes(conversion_rules(config, layout), abstract_params(config))
 
 
-def check_state_dict(state_dict: Mapping[str, Any], config: ProLIPConfig) -> None:
-    """Raises ValueError naming every missing key, unexpected key and wrong shape."""
-    expected = expected_torch_shapes(config)
+def mismatches(state_dict: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]]
+               ) -> tuple[list[str], list[str], list[str]]:
+    """(missing keys, unexpected keys, 'key: got .., expected ..' for wrong shapes), sorted."""
     missing = sorted(set(expected) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(expected))
     wrong = sorted(f"{k}: got {tuple(np.shape(state_dict[k]))}, expected {expected[k]}"
                    for k in set(expected) & set(state_dict) if tuple(np.shape(state_dict[k])) != expected[k])
+    return missing, unexpected, wrong
+
+
+def check_state_dict(state_dict: Mapping[str, Any], config: ProLIPConfig, layout: str = "prolip") -> None:
+    """Raises ValueError naming every missing key, unexpected key and wrong shape."""
+    missing, unexpected, wrong = mismatches(state_dict, expected_torch_shapes(config, layout))
     if missing or unexpected or wrong:
         parts = []
         if missing:
@@ -176,7 +276,32 @@ def check_state_dict(state_dict: Mapping[str, Any], config: ProLIPConfig) -> Non
             parts.append(f"{len(unexpected)} unexpected key(s): {unexpected}")
         if wrong:
             parts.append(f"{len(wrong)} wrong shape(s): {wrong}")
-        raise ValueError("state_dict does not match the ProLIP config: " + "; ".join(parts))
+        what = "the ProLIP config" if layout == "prolip" else f"the model config ({layout} layout)"
+        raise ValueError(f"state_dict does not match {what}: " + "; ".join(parts))
+
+
+def apply_rules(state_dict: Mapping[str, Any], rules: list[Rule], abstract: Mapping[str, Any]) -> dict:
+    """Source arrays -> nested Flax params (float32 numpy) for the leaves the rules cover.
+    Keys and shapes must have been checked (`mismatches`)."""
+    params: dict = {}
+    for r in rules:
+        w = np.asarray(state_dict[r.torch_key], dtype=np.float32)
+        shapes = [tuple(_get(abstract, p).shape) for p in r.flax_paths]
+        for path, leaf in zip(r.flax_paths, _to_flax(r.kind, w, shapes)):
+            _set(params, path, np.array(leaf, dtype=np.float32, order="C"))
+    return params
+
+
+def unapply_rules(params: Mapping[str, Any], rules: list[Rule]) -> dict[str, np.ndarray]:
+    """Flax params -> source arrays (float32 numpy, contiguous, source layouts)."""
+    out = {}
+    for r in rules:
+        try:
+            leaves = [np.asarray(_get(params, p), dtype=np.float32) for p in r.flax_paths]
+        except KeyError as e:
+            raise ValueError(f"params lack {'/'.join(r.flax_paths[0])} (needed for {r.torch_key})") from e
+        out[r.torch_key] = np.array(_to_torch(r.kind, leaves), dtype=np.float32, order="C")  # keeps 0-d
+    return out
 
 
 def strip_prefix(state_dict: Mapping[str, Any], prefix: str = "module.") -> dict[str, Any]:
@@ -186,32 +311,19 @@ def strip_prefix(state_dict: Mapping[str, Any], prefix: str = "module.") -> dict
     return dict(state_dict)
 
 
-def torch_to_flax(state_dict: Mapping[str, Any], config: ProLIPConfig) -> dict:
+def torch_to_flax(state_dict: Mapping[str, Any], config: ProLIPConfig, layout: str = "prolip") -> dict:
     """Reference state_dict (numpy arrays, torch layouts) -> Flax params (float32 numpy)."""
     state_dict = strip_prefix(state_dict)
-    check_state_dict(state_dict, config)
+    check_state_dict(state_dict, config, layout)
     from prolip_jax.models.prolip import abstract_params
 
-    abstract = abstract_params(config)
-    params: dict = {}
-    for r in conversion_rules(config):
-        w = np.asarray(state_dict[r.torch_key], dtype=np.float32)
-        shapes = [tuple(_get(abstract, p).shape) for p in r.flax_paths]
-        for path, leaf in zip(r.flax_paths, _to_flax(r.kind, w, shapes)):
-            _set(params, path, np.array(leaf, dtype=np.float32, order="C"))
-    return params
+    return apply_rules(state_dict, conversion_rules(config, layout), abstract_params(config))
 
 
-def flax_to_torch(params: Mapping[str, Any], config: ProLIPConfig) -> dict[str, np.ndarray]:
+def flax_to_torch(params: Mapping[str, Any], config: ProLIPConfig, layout: str = "prolip") -> dict[str, np.ndarray]:
     """Flax params -> reference state_dict (float32 numpy arrays, contiguous, torch layouts)."""
-    out = {}
-    for r in conversion_rules(config):
-        try:
-            leaves = [np.asarray(_get(params, p), dtype=np.float32) for p in r.flax_paths]
-        except KeyError as e:
-            raise ValueError(f"params lack {'/'.join(r.flax_paths[0])} (needed for {r.torch_key})") from e
-        out[r.torch_key] = np.array(_to_torch(r.kind, leaves), dtype=np.float32, order="C")  # keeps 0-d
-    check_state_dict(out, config)  # also catches params of another config (wrong shapes)
+    out = unapply_rules(params, conversion_rules(config, layout))
+    check_state_dict(out, config, layout)  # also catches params of another config (wrong shapes)
     return out
 
 
