@@ -4,7 +4,10 @@
     mu, logvar = model.encode_image(images)     # float32 [N, H, W, 3], already normalised
     mu, logvar = model.encode_text(token_ids)   # int32 [N, L]
 
-mu is L2-normalised and log sigma^2 raw, both float32 numpy [N, D]. Encoding goes through
+mu is L2-normalised and log sigma^2 raw, both float32 numpy [N, D]. `path` may also be a
+Hugging Face repo id or any source `prolip_jax.pretrained.loader.load_pretrained` reads
+(open_clip / OpenAI CLIP, timm or big_vision SigLIP): those deterministic models return
+log sigma^2 = None. Encoding goes through
 `prolip_jax.encode.Encoder`: fixed-size batches (any N compiles one shape per tower), split
 over this host's devices.
 """
@@ -32,6 +35,7 @@ class PretrainedProLIP:
     dtype: Any = jnp.float32
     batch_size: int = 256
     step: int | None = None  # the checkpoint step it was loaded from (None: a Hugging Face folder)
+    report: Any = None  # the ImportReport of an imported (non-prolip_jax) source
 
     def __post_init__(self):
         self.module = ProLIP(self.config, dtype=self.dtype)
@@ -46,8 +50,8 @@ class PretrainedProLIP:
     def logit_bias(self) -> float:
         return float(self.params["logit_bias"])
 
-    def encode_image(self, images: Any) -> tuple[np.ndarray, np.ndarray]:
-        """images float [N, H, W, 3] (normalised) -> (mu [N, D] unit-norm, log sigma^2 [N, D])."""
+    def encode_image(self, images: Any) -> tuple[np.ndarray, np.ndarray | None]:
+        """images float [N, H, W, 3] (normalised) -> (mu [N, D] unit-norm, log sigma^2 [N, D] or None)."""
         images = np.asarray(images)
         s = self.config.vision.image_size
         if images.ndim != 4 or images.shape[1:] != (s, s, 3):
@@ -56,8 +60,8 @@ class PretrainedProLIP:
             raise ValueError(f"images must be floating point (already normalised), got {images.dtype}")
         return self.encoder.images(self.params, images.astype(np.float32))
 
-    def encode_text(self, token_ids: Any) -> tuple[np.ndarray, np.ndarray]:
-        """token_ids int [N, L], L <= context_length -> (mu [N, D] unit-norm, log sigma^2 [N, D])."""
+    def encode_text(self, token_ids: Any) -> tuple[np.ndarray, np.ndarray | None]:
+        """token_ids int [N, L], L <= context_length -> (mu [N, D] unit-norm, log sigma^2 [N, D] or None)."""
         tokens = np.asarray(token_ids)
         t = self.config.text
         if tokens.ndim != 2 or not 0 < tokens.shape[1] <= t.context_length:
@@ -70,22 +74,39 @@ class PretrainedProLIP:
 
 
 def load(path: str | os.PathLike, dtype: Any = jnp.float32, step: int | None = None,
-         batch_size: int = 256) -> PretrainedProLIP:
+         batch_size: int = 256, format: str = "auto", arch: Any = None) -> PretrainedProLIP:
     """Loads a prolip_jax checkpoint directory (CKPT) or a Hugging Face folder (config.json +
     model.safetensors, e.g. a downloaded `SanghyukChun/ProLIP-ViT-B-16-DC-1B-12_8B`), or a
-    training workdir (its `checkpoints/` folder; the latest step unless `step` is given)."""
+    training workdir (its `checkpoints/` folder; the latest step unless `step` is given).
+
+    Anything else goes through `load_pretrained(path, format, arch)`: a Hugging Face repo id
+    (downloaded, or read from the hub cache with HF_HUB_OFFLINE=1), open_clip / timm
+    safetensors, a big_vision .npz."""
+    from prolip_jax.pretrained import hub
+
     trainer_ckpts = Path(path) / "checkpoints"
-    if not checkpoint.is_checkpoint(path) and checkpoint.is_checkpoint(trainer_ckpts):
+    if not hub.is_repo_id(path) and not checkpoint.is_checkpoint(path) and checkpoint.is_checkpoint(trainer_ckpts):
         path = trainer_ckpts
-    if convert.is_hf_dir(path):
+    report = None
+    if hub.is_repo_id(path) or format != "auto" or arch is not None or not (
+            convert.is_hf_dir(path) or checkpoint.is_checkpoint(path)):
+        from prolip_jax.pretrained.loader import load_pretrained
+
+        try:
+            config, params, report = load_pretrained(path, format=format, arch=arch)
+        except FileNotFoundError as e:
+            if hub.is_repo_id(path):
+                raise
+            raise FileNotFoundError(
+                f"{path} is neither a prolip_jax checkpoint (<step>/params + <step>/config), a training "
+                f"workdir (checkpoints/<step>/...), a Hugging Face folder ({convert.CONFIG_NAME} + "
+                f"{convert.WEIGHTS_NAME}), nor weights of another family ({e})") from e
+        params = jax.device_put(params)
+        step = None
+    elif convert.is_hf_dir(path):
         params, config = convert.load_hf(path)
         params = jax.device_put(params)
         step = None
-    elif checkpoint.is_checkpoint(path):
-        params, config, step = checkpoint.load_params(path, step=step)
     else:
-        raise FileNotFoundError(
-            f"{path} is neither a prolip_jax checkpoint (<step>/params + <step>/config), a training "
-            f"workdir (checkpoints/<step>/...) nor a Hugging Face folder ({convert.CONFIG_NAME} + "
-            f"{convert.WEIGHTS_NAME})")
-    return PretrainedProLIP(config, params, dtype=dtype, batch_size=batch_size, step=step)
+        params, config, step = checkpoint.load_params(path, step=step)
+    return PretrainedProLIP(config, params, dtype=dtype, batch_size=batch_size, step=step, report=report)

@@ -19,7 +19,8 @@ from prolip_jax.models.prolip import ProLIP
 
 
 class Encoder:
-    """(mu [N, D] unit-norm, log sigma^2 [N, D]) for images or token ids, in fixed-size batches.
+    """(mu [N, D] unit-norm, log sigma^2 [N, D]) for images or token ids, in fixed-size batches
+    (log sigma^2 None for a deterministic tower, `embed_unc=False`).
 
     images: float32 normalised or uint8 (normalised here with `normalization`) [N, S, S, 3].
     tokens: int32 [N, L]. `last_throughput` holds the items/s of the latest call.
@@ -48,8 +49,9 @@ class Encoder:
         def text_fn(params, tokens):
             return model.apply({"params": params}, tokens, method=ProLIP.encode_text)
 
-        self._image_fn = jax.jit(image_fn, out_shardings=(shard, shard))
-        self._text_fn = jax.jit(text_fn, out_shardings=(shard, shard))
+        # One sharding for every output leaf: log sigma^2 is None for a tower without [UNC].
+        self._image_fn = jax.jit(image_fn, out_shardings=shard)
+        self._text_fn = jax.jit(text_fn, out_shardings=shard)
 
     def images(self, params: Any, images: np.ndarray, progress: Callable[[int], None] | None = None
                ) -> tuple[np.ndarray, np.ndarray]:
@@ -72,7 +74,7 @@ class Encoder:
         self._placed = (params, placed)
         return placed
 
-    def _run(self, fn, params, x: np.ndarray, progress) -> tuple[np.ndarray, np.ndarray]:
+    def _run(self, fn, params, x: np.ndarray, progress) -> tuple[np.ndarray, np.ndarray | None]:
         params = self.place(params)
         n, bs = len(x), self.batch_size
         mus, lvs = [], []
@@ -84,11 +86,11 @@ class Encoder:
                 chunk = np.concatenate([chunk, np.repeat(chunk[-1:], bs - k, axis=0)])
             mu, lv = fn(params, jax.device_put(chunk, self._shard))
             mus.append(np.asarray(mu)[:k])
-            lvs.append(np.asarray(lv)[:k])
+            lvs.append(None if lv is None else np.asarray(lv)[:k])
             if progress is not None:
                 progress(k)
         self.last_throughput = n / max(time.perf_counter() - start, 1e-9)
+        d = self.model.config.embed_dim
         if not mus:
-            d = self.model.config.embed_dim
             return np.zeros((0, d), np.float32), np.zeros((0, d), np.float32)
-        return np.concatenate(mus), np.concatenate(lvs)
+        return np.concatenate(mus), None if lvs[0] is None else np.concatenate(lvs)

@@ -61,11 +61,12 @@ def resolve(repo_id: str, prefer: str = "auto") -> Path:
         weights = _fetch(repo_id, weights_name)
         if weights is None:
             pickled = PICKLED_WEIGHTS[weights_name]
-            if _fetch(repo_id, pickled) is not None:
+            pickled_path = _fetch(repo_id, pickled)
+            if pickled_path is not None:
                 from prolip_jax.pretrained.loader import pickle_message
 
                 raise ValueError(f"Hugging Face repo {repo_id!r} has {pickled} but no {weights_name}. "
-                                 + pickle_message(pickled))
+                                 + pickle_message(pickled_path))
             raise FileNotFoundError(_missing(repo_id, [weights_name]))
         if config.parent != weights.parent:  # same snapshot folder unless revisions differ
             raise FileNotFoundError(f"{config} and {weights} of {repo_id!r} are in different snapshots")

@@ -169,8 +169,8 @@ def _place(flat: Mapping[str, np.ndarray], config: ProLIPConfig, rules: list[con
     abstract = abstract_params(config)
     missing, unexpected, wrong = convert.mismatches(flat, convert.rule_shapes(rules, abstract))
     if missing or wrong:
-        parts = [f"{len(missing)} key(s) the model needs are missing: {missing}"] if missing else []
-        parts += [f"{len(wrong)} shape(s) differ: {wrong}"] if wrong else []
+        parts = [f"{len(missing)} missing key(s): {missing}"] if missing else []
+        parts += [f"{len(wrong)} wrong shape(s): {wrong}"] if wrong else []
         raise ValueError(f"{report.source} ({report.format}) does not match the model config "
                          f"(check arch / the config file): " + "; ".join(parts))
     report.unplaced = unexpected
