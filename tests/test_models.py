@@ -188,3 +188,39 @@ def test_mask_text_tokens_never_touches_protected_ids():
     np.testing.assert_array_equal(none, tokens)
     clip = np.asarray(mask_text_tokens(jax.random.key(2), jnp.asarray(tokens), 999, 1.0, protected_ids=(1, 5)))
     assert np.all((clip == 999) | (tokens == 1) | (tokens == 5))
+
+
+def test_deterministic_tower_layouts():
+    """The CLIP / SigLIP options of the same towers: which parameters exist, the position rows,
+    and names shared with ProLIP (so a partial load into a ProLIP matches by name)."""
+    import dataclasses
+
+    from prolip_jax.models.config import TextConfig, VisionConfig
+
+    prolip = get_config("tiny")
+    v, t = prolip.vision, prolip.text
+    clip = prolip.replace(vision=dataclasses.replace(v, embed_unc=False),
+                          text=dataclasses.replace(t, embed_unc=False, pool="argmax", causal=True, proj_bias=False))
+    siglip = prolip.replace(
+        vision=dataclasses.replace(v, embed_unc=False, class_token=False, pool="map", ln_pre=False, patch_bias=True,
+                                   proj=False, act="gelu_tanh"),
+        text=dataclasses.replace(t, embed_unc=False, pool="last"))
+    p, c, s = (abstract_params(cfg) for cfg in (prolip, clip, siglip))
+    grid = v.num_patches
+    assert [x["visual"]["positional_embedding"].shape[0] for x in (p, c, s)] == [grid + 2, grid + 1, grid]
+    assert [x["text"]["positional_embedding"].shape[0] for x in (p, c, s)] == [18, 16, 16]
+    assert set(c["visual"]) == set(p["visual"]) - {"unc_embedding", "uncertainty_proj"}
+    assert set(s["visual"]) == set(p["visual"]) - {"unc_embedding", "uncertainty_proj", "class_embedding", "ln_pre",
+                                                   "proj"} | {"patch_bias", "map_head"}
+    assert set(c["text"]) == set(p["text"]) - {"cls_emb", "unc_emb", "text_uncertainty_projection"}
+    assert "bias" not in c["text"]["text_projection"] and "bias" in s["text"]["text_projection"]
+    assert set(s["visual"]["map_head"]) == {"probe", "attn", "ln", "c_fc", "c_proj"}
+    for cfg in (clip, siglip):
+        assert ProLIPConfig.from_dict(cfg.to_dict()) == cfg
+    assert isinstance(clip.vision, VisionConfig) and isinstance(clip.text, TextConfig)
+    with pytest.raises(ValueError, match="pool 'tok' needs class_token"):
+        prolip.replace(vision=dataclasses.replace(v, class_token=False))
+    with pytest.raises(ValueError, match="text pool 'prolip'"):
+        prolip.replace(text=dataclasses.replace(t, embed_unc=False))
+    with pytest.raises(ValueError, match="no causal mask"):
+        prolip.replace(text=dataclasses.replace(t, causal=True))
