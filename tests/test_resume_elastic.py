@@ -117,3 +117,48 @@ def test_other_differences_are_still_refused(data):
         one.set_states(states[:1])
     with pytest.raises(ValueError, match="Pass the states of all saved hosts"):
         one.set_state(states[1])
+
+
+def test_trainer_resumes_its_data_on_2_then_1_then_2_processes(tmp_path):
+    """The trainer's own checkpoints: 2 processes (2 steps) -> 1 process (to step 4) -> 2
+    processes (to step 6) on the demo data; the data position ends at 6 global batches."""
+    import subprocess
+    import sys
+
+    from input_pipeline import demo
+    from test_train_processes import ARGS, ROOT, _env, _free_port
+
+    cache = tmp_path / "cache"
+    demo.get_demo(cache_dir=str(cache), image_size=32, num_train=64, context_length=8)  # micro
+    args = [*ARGS, "--config.data.demo.num_train=64", "--config.checkpoint_steps=100",
+            "--workdir", str(tmp_path / "w")]
+
+    def run(steps, processes):
+        cmd = [sys.executable, "-m", "prolip_jax.train", "--config",
+               f"configs/tiny.py:steps={steps},data=demo", *args]
+        env = dict(_env(1), PROLIP_JAX_CACHE=str(cache))   # one device each: compiles fast
+        if processes == 1:
+            procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)]
+        else:
+            port = _free_port()
+            procs = [subprocess.Popen(
+                cmd + ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes",
+                       str(processes), "--process_id", str(i)], cwd=ROOT, env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for i in range(processes)]
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+        for p, out in zip(procs, outs):
+            assert p.returncode == 0, out[-3000:]
+        return outs[0]
+
+    run(2, 2)
+    out = run(4, 1)
+    assert "2 hosts x 0 workers -> 1 hosts x 0 workers (after 2 batches)" in out, out[-2000:]
+    out = run(6, 2)
+    assert "1 hosts x 0 workers -> 2 hosts x 0 workers (after 4 batches)" in out, out[-2000:]
+    data = tmp_path / "w" / "checkpoints" / "6" / "data"
+    states = [json.loads((data / f"process_{i}-of-2.json").read_text()) for i in range(2)]
+    for s in states:   # no skipped records: the stream is read up to 6 batches of 16, no gap
+        assert s["origin"] == {"base": 4 * 16, "done": []} and s["batches"] == 6
+        assert s["origin"]["base"] + 2 * s["source"]["next_index"] == 6 * 16
