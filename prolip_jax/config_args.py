@@ -1,5 +1,8 @@
-"""Config-file arguments: `--config configs/<name>.py:key=value,key2=value2` (big_vision style)."""
+"""Config files: load `path/to/config.py[:key=value,...]` (big_vision style), parse its args, check `--config.*` overrides."""
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 
 def parse(arg: str | None, **defaults: str) -> dict[str, str]:
@@ -12,3 +15,42 @@ def parse(arg: str | None, **defaults: str) -> dict[str, str]:
             raise ValueError(f"unknown config arg {key!r}; known: {sorted(out)}")
         out[key] = value
     return out
+
+
+def load_config_file(spec: str) -> Any:
+    """`path/to/config.py[:arg]` -> the module's `get_config(arg)`, or a ValueError /
+    FileNotFoundError whose one line names the problem (a mistyped path lists its folder)."""
+    import importlib.util
+
+    path, _, arg = spec.partition(":")
+    file = Path(path)
+    if not file.is_file():
+        folder = file.parent if file.parent.is_dir() else Path(".")
+        near = sorted(p.name for p in folder.glob("*.py"))
+        raise FileNotFoundError(f"config file {path} does not exist ({folder}/ has: {', '.join(near) or 'no .py files'})")
+    module_spec = importlib.util.spec_from_file_location(f"config_{file.stem}", file)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"config file {path} has no get_config(arg=None) function")
+    return module.get_config(arg or None)
+
+
+def check_overrides(config: Any, argv: list[str], prefix: str = "--config.") -> None:
+    """Every `--config.a.b=v` names a field of `config` (else a ValueError naming the nearest)."""
+    import difflib
+
+    for item in argv:
+        if not item.startswith(prefix):
+            continue
+        dotted = item[len(prefix):].partition("=")[0]
+        node, where = config, "config"
+        for key in dotted.split("."):
+            fields = list(node.keys()) if hasattr(node, "keys") else []
+            if key not in fields:
+                near = difflib.get_close_matches(key, fields, n=1)
+                hint = f"did you mean {where}.{near[0]}? " if near else ""
+                what = f"{where} has no field {key!r}" if fields else f"{where} is not a section"
+                raise ValueError(f"{item.partition('=')[0]}: {what}; {hint}"
+                                 f"the fields of {where}: {', '.join(sorted(fields)) or 'none'}")
+            node, where = node[key], f"{where}.{key}"

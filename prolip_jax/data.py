@@ -94,7 +94,8 @@ def build_train_data(config, model_config) -> Any:
     if d.source == "random":
         return RandomBatches(config.batch_size, d.image_size, model_config.text.context_length,
                              model_config.text.vocab_size, seed=config.seed)
-    from input_pipeline.pipeline import build_train_iterator
+    from input_pipeline.config import DataConfig
+    from input_pipeline.pipeline import build_train_iterator, resolve_tokenizer
 
     data_cfg = {k: v for k, v in d.to_dict().items()}
     data_cfg["batch_size"] = config.batch_size
@@ -108,7 +109,23 @@ def build_train_data(config, model_config) -> Any:
     if d.source == "demo":
         data_cfg.pop("tokenizer", None)
         data_cfg["demo"] = demo_kwargs(config, model_config)
-    return build_train_iterator(data_cfg)
+    elif data_cfg.get("tokenizer"):
+        data_cfg["tokenizer"] = {"context_length": model_config.text.context_length, **data_cfg["tokenizer"]}
+    tokenizer = resolve_tokenizer(DataConfig.from_mapping(data_cfg), None)
+    check_tokenizer(tokenizer, model_config)
+    return build_train_iterator(data_cfg, tokenizer)
+
+
+def check_tokenizer(tokenizer: Any, model_config) -> None:
+    """Token ids past the embedding table would gather garbage on device (and NaN every step):
+    refuse a tokenizer whose vocabulary or context does not fit the text tower."""
+    t = model_config.text
+    if tokenizer.vocab_size > t.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's text embedding has "
+                         f"{t.vocab_size} rows (model.text vocab_size); use a matching tokenizer or model")
+    if tokenizer.context_length > t.context_length:
+        raise ValueError(f"the tokenizer's context_length {tokenizer.context_length} exceeds the model's "
+                         f"{t.context_length}")
 
 
 def demo_kwargs(config, model_config) -> dict[str, Any]:

@@ -91,6 +91,9 @@ def inclusion_loss(mu1: jax.Array, logvar1: jax.Array, mu2: jax.Array, logvar2: 
 
 
 # ---------------------------------------------------------------------------------------- VIB
+VIB_FORMS = ("reference", "kl")
+
+
 def vib_loss(mu: jax.Array, logvar: jax.Array, form: str = "reference", threshold: float = 1e4) -> jax.Array:
     """VIB regulariser, mean over B x D, guarded at > 1e4 (REFERENCE §2.5).
 
@@ -104,7 +107,7 @@ def vib_loss(mu: jax.Array, logvar: jax.Array, form: str = "reference", threshol
     elif form == "kl":
         kl = -0.5 * jnp.mean(1.0 + logvar - mu ** 2 - jnp.exp(logvar))
     else:
-        raise ValueError(f"unknown VIB form {form!r}; use 'reference' or 'kl'")
+        raise ValueError(f"unknown VIB form {form!r}; use one of {VIB_FORMS}")
     return jnp.where(kl > threshold, jnp.zeros_like(kl), kl)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import math
 import os
 import struct
@@ -106,6 +107,10 @@ class MetricWriter:
             os.replace(tmp, self.path)  # atomic: either the old or the filtered file exists
             self._file = open(self.path, "a")
         from tensorboardX import SummaryWriter  # deferred: non-chief processes never need it
+
+        # tensorboardX logs a warning for every non-finite scalar (a dozen per skipped step);
+        # non-finite values are expected here and reported once, in the line and the skip count.
+        logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
 
         # purge_step makes TensorBoard drop the earlier run's events with step >= resume_step.
         # The suffix keeps a restart within the same second (tensorboardX names files by whole

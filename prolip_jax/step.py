@@ -6,7 +6,9 @@ consecutive rows: 64 of each 512-row shard as the reference masks 12.5% of each 
 a set that does not depend on the mesh; images keep one shared random subset of patches, text
 tokens other than pad/EOS become [MASK] with prob p), the ProLIP loss with
 global-batch semantics, the AdamW update, then `logit_scale` clamped to [0, ln 100]. A step whose
-loss or gradients are not finite leaves params and optimiser state unchanged.
+loss, gradients, new parameters or new optimiser state are not finite leaves params and optimiser
+state unchanged: finite gradients can still give a non-finite update (Adam's 0/0 with eps = 0 on
+a zero gradient, a NaN learning rate), so the guard looks at what would be kept.
 
 Gradient accumulation over k microbatches uses gradient caching (Gao et al. 2021): PPCL couples
 every pair of the global batch, so summing per-microbatch losses would change the objective.
@@ -40,7 +42,13 @@ class TrainState:
     step: jax.Array  # int32 []: batches consumed (a skipped non-finite step counts too)
     params: Any
     opt_state: Any
-    skipped: jax.Array  # int32 []: total updates skipped for a non-finite loss or gradient
+    skipped: jax.Array  # int32 []: total updates skipped for a non-finite loss, gradient or update
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """bool []: every floating-point leaf of `tree` is finite (integer leaves always are)."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,9 +221,9 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
         grad_fn = grads_one_batch if k == 1 else grads_cached
         loss, terms, f, grads = grad_fn(state.params, images, tokens, m_images, m_tokens, keep_idx)
 
-        finite = jnp.isfinite(loss) & jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = clamp_logit_scale(optax.apply_updates(state.params, updates))
+        finite = jnp.isfinite(loss) & all_finite(grads) & all_finite(params) & all_finite(opt_state)
         keep_new = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
         new_state = TrainState(step=state.step + 1, params=keep_new(params, state.params),
                                opt_state=keep_new(opt_state, state.opt_state),

@@ -29,6 +29,8 @@ from prolip_jax import step as step_lib
 from prolip_jax.data import build_train_data
 from prolip_jax.metrics import MetricWriter
 from prolip_jax.models import ProLIP, ProLIPConfig, get_config
+from prolip_jax.models.transformer import REMAT_POLICIES
+from input_pipeline.config import SOURCES as DATA_SOURCES
 
 
 # =====================================================================================
@@ -84,9 +86,23 @@ def check_fields(config) -> None:
             raise ValueError(f"{where} lacks field(s) {missing}")
 
 
+# Values of the string fields that name a choice (checked here so a typo is one clear line).
+CHOICES = {
+    ("model", "dtype"): ("float32", "bfloat16", "float16"),
+    ("model", "attention_impl"): ("auto", "xla", "cudnn"),
+    ("model", "remat"): tuple(REMAT_POLICIES),
+    ("loss", "ppcl_impl"): ("dense", "ring"),
+    ("loss", "vib_form"): losses.VIB_FORMS,
+    ("data", "source"): ("random", *DATA_SOURCES),
+}
+
+
 def validate(config, mesh, mcfg: ProLIPConfig) -> None:
     """Clear errors for a config that cannot run (batch layout, sizes, data paths)."""
     check_fields(config)
+    for (section, key), valid in CHOICES.items():
+        if config[section][key] not in valid:
+            raise ValueError(f"config.{section}.{key}={config[section][key]!r} is not one of {valid}")
     if config.total_steps <= 0:
         raise ValueError(f"total_steps must be positive, got {config.total_steps}")
     step_lib.check_batch_layout(config.batch_size, sharding.num_batch_shards(mesh), step_config(config))
@@ -101,8 +117,6 @@ def validate(config, mesh, mcfg: ProLIPConfig) -> None:
     if len(config.evals) and jax.process_count() > 1:
         raise ValueError("config.evals run on one host's devices; on a multi-host run leave config.evals "
                          "empty and evaluate checkpoints with scripts/evaluate.py")
-    if config.loss.ppcl_impl not in ("dense", "ring"):
-        raise ValueError(f"loss.ppcl_impl must be 'dense' or 'ring', got {config.loss.ppcl_impl!r}")
 
 
 def maybe_initialize_distributed(coordinator_address: str | None, num_processes: int | None,
@@ -156,7 +170,6 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
     stop_at_step: behave as if preempted (SIGTERM) when that step is reached; for tests.
     """
     workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
     is_chief = jax.process_index() == 0
 
     # ---- Mesh, model, optimiser -------------------------------------------------------
@@ -173,6 +186,8 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
     data = build_train_data(config, mcfg)
 
     # ---- Checkpoints: resume if the workdir has one -------------------------------------
+    # Only now, with the config and the data checked, does the workdir come into being.
+    workdir.mkdir(parents=True, exist_ok=True)
     mngr = ocp.CheckpointManager(
         (workdir / "checkpoints").absolute(),
         options=ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True,
@@ -203,8 +218,20 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
     preempted = {"flag": False}
     previous_handler = signal.signal(signal.SIGTERM, lambda *_: preempted.update(flag=True))
 
+    state_is_finite = jax.jit(lambda s: step_lib.all_finite((s.params, s.opt_state)), out_shardings=replicated)
+
     def save(step: int, force: bool = False) -> None:
+        # The step never keeps a non-finite update; this guards the state a resume brought in.
+        if not bool(to_host(state_is_finite(state))):
+            raise FloatingPointError(f"the train state at step {step} is not finite; not saving it. "
+                                     f"{last_good_checkpoint()}")
         ckpt_lib.save_train_state(mngr, step, state, mcfg, config, data, force=force)
+
+    def last_good_checkpoint() -> str:
+        good = mngr.latest_step()
+        if good is None:
+            return "No checkpoint was written."
+        return f"The last good checkpoint is step {good} in {workdir / 'checkpoints'}."
 
     # ---- The loop --------------------------------------------------------------------------
     last_metrics: dict[str, Any] = {}
@@ -217,14 +244,16 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
             batch = sharding.global_batch(next(data), mesh)
             state, metrics = train_step(state, batch)
             step += 1
-            # Read the previous step's flag: the device keeps working on this one meanwhile.
+            # Read the previous step's flag (step - 1): the device keeps working on this one meanwhile.
             if prev_metrics is not None:
                 in_a_row = in_a_row + 1 if int(to_host(prev_metrics["nonfinite"])) else 0
             prev_metrics = metrics
             if in_a_row >= config.max_nonfinite_in_a_row:
+                mngr.wait_until_finished()
                 raise FloatingPointError(
-                    f"{in_a_row} steps in a row had a non-finite loss or gradient (step {step}); stopping. "
-                    f"The last good checkpoint is kept in {workdir / 'checkpoints'}.")
+                    f"steps {step - in_a_row}-{step - 1} ({in_a_row} in a row) had a non-finite loss, gradient "
+                    f"or update and were skipped; stopping (check optim.lr, optim.eps and the data). "
+                    f"{last_good_checkpoint()}")
             if step % config.log_steps == 0 or step == config.total_steps:
                 values: dict[str, Any] = {k: float(to_host(v)) for k, v in metrics.items()}
                 dt = (time.time() - t_log) / max(step - step_log, 1)
@@ -274,35 +303,98 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
 # =====================================================================================
 # Command line.
 # =====================================================================================
-def main(argv=None) -> None:
-    from absl import app, flags
+def with_data_defaults(config):
+    """`config` with every field of input_pipeline.DataConfig that the file leaves out set to
+    its default, so `--config.data.<any field>=...` works (None defaults become typed
+    placeholders: ml_collections cannot override a plain None)."""
+    import dataclasses
+    import typing
+
+    from ml_collections import config_dict
+
+    from input_pipeline.config import DataConfig
+
+    hints = typing.get_type_hints(DataConfig)
+    with config.unlocked():
+        for field in dataclasses.fields(DataConfig):
+            if field.name in config.data or field.name == "batch_size":  # the trainer's batch_size rules
+                continue
+            default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+            if field.name == "tokenizer":  # kwargs of input_pipeline.tokenizers.build_tokenizer
+                default = {"kind": "sentencepiece", "path": ""}
+            elif default is None:
+                scalar = [t for t in typing.get_args(hints[field.name]) if t in (bool, int, float, str)]
+                default = config_dict.placeholder(scalar[0])
+            config.data[field.name] = default
+    return config
+
+
+def _split_config_arg(argv: list[str]) -> tuple[str, list[str]]:
+    """(the value of --config, the other arguments)."""
+    rest, spec = [argv[0]], None
+    args = iter(argv[1:])
+    for a in args:
+        if a == "--config":
+            spec = next(args, None)
+        elif a.startswith("--config="):
+            spec = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    if not spec:
+        raise ValueError("--config is required: --config configs/<name>.py[:args]")
+    return spec, rest
+
+
+def parse_command_line(argv: list[str]) -> tuple[Any, Any]:
+    """(config, flag values) of `argv` = [program, --config FILE[:args], --workdir DIR,
+    --config.<field>=value ...]. Raises ValueError, FileNotFoundError or absl's flags.Error
+    whose first line names the problem."""
+    from absl import flags
     from ml_collections import config_flags
 
-    config_flag = config_flags.DEFINE_config_file("config", None, "configs/<name>.py[:args]", lock_config=True)
-    flags.DEFINE_string("workdir", None, "checkpoints, metrics.jsonl and TensorBoard events go here")
-    flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host without auto-detection)")
-    flags.DEFINE_integer("num_processes", None, "number of processes (with --coordinator_address)")
-    flags.DEFINE_integer("process_id", None, "this process's index (with --coordinator_address)")
-    flags.mark_flags_as_required(["config", "workdir"])
+    from prolip_jax import config_args
 
-    def _main(_):
-        from absl import logging
+    spec, argv = _split_config_arg(argv)
+    config = with_data_defaults(config_args.load_config_file(spec))
+    config_args.check_overrides(config, argv)
+    fv = flags.FlagValues()  # not absl's global FLAGS: parsing twice in one process is fine
+    holder = config_flags.DEFINE_config_dict("config", config, lock_config=True, flag_values=fv, sys_argv=argv)
+    flags.DEFINE_string("workdir", None, "checkpoints, metrics.jsonl and TensorBoard events go here",
+                        flag_values=fv, required=True)
+    flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host without "
+                        "auto-detection)", flag_values=fv)
+    flags.DEFINE_integer("num_processes", None, "number of processes (with --coordinator_address)", flag_values=fv)
+    flags.DEFINE_integer("process_id", None, "this process's index (with --coordinator_address)", flag_values=fv)
+    fv(argv)
+    return holder.value, fv
 
-        logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
-        f = flags.FLAGS
-        maybe_initialize_distributed(f.coordinator_address, f.num_processes, f.process_id)
-        try:
-            train(config_flag.value, f.workdir)
-        except (ValueError, FileNotFoundError, FloatingPointError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+
+def main(argv: list[str] | None = None) -> None:
+    """The command line. A bad command prints one line naming the problem and exits 2, before
+    anything is created; `--config.<field>=value` overrides any field of the config."""
+    from absl import flags, logging
+
+    argv = list(sys.argv if argv is None else argv)
+    if any(a in ("-h", "--help", "--helpshort") for a in argv[1:]):
+        print(__doc__)
+        return
+
+    def fail(e: BaseException) -> None:
+        msg = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)
+        print("error: " + " ".join(msg.split()), file=sys.stderr)  # one line
+        sys.exit(2)
 
     try:
-        app.run(_main, argv=argv)
-    except (AttributeError, KeyError) as e:  # ml_collections: an override of a field that does not exist
-        print(f"error: unknown config field {e} in a --config.* override; the fields are those of the "
-              "config file's get_config()", file=sys.stderr)
-        sys.exit(2)
+        config, fv = parse_command_line(argv)
+    except (flags.Error, ValueError, TypeError, FileNotFoundError, AttributeError, KeyError) as e:
+        fail(e)
+
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
+    maybe_initialize_distributed(fv.coordinator_address, fv.num_processes, fv.process_id)
+    try:
+        train(config, fv.workdir)
+    except (ValueError, FileNotFoundError, FloatingPointError) as e:
+        fail(e)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,15 @@ def test_tensorboard_scalars_read_back(tmp_path):
     assert scalars["mfu"][1][0] == 2 and math.isnan(scalars["mfu"][1][1])
 
 
+def test_nonfinite_values_log_no_warnings(tmp_path, caplog):
+    """tensorboardX warns once per non-finite scalar (a dozen lines per skipped step); silenced."""
+    import logging
+
+    with caplog.at_level(logging.WARNING), MetricWriter(str(tmp_path), 10, stream=io.StringIO()) as w:
+        w.write(1, {f"loss/{i}": float("nan") for i in range(12)})
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
 def test_resume_drops_later_steps_and_appends(tmp_path):
     with MetricWriter(str(tmp_path), total_steps=50, stream=io.StringIO()) as w:
         for step in (10, 20, 30, 40):

@@ -111,6 +111,28 @@ def test_nonfinite_step_is_skipped(setup, single):
     assert int(state.step) == 1 and int(state.skipped) == 1 and int(metrics["nonfinite"]) == 1
 
 
+def test_nonfinite_update_is_skipped(setup):
+    """Finite loss and gradients, non-finite update: Adam with eps = 0 divides 0 by 0 where a
+    gradient is exactly 0 (token-embedding rows no caption uses). Nothing of it is kept."""
+    model, _, _, batch = setup
+    tx, schedule = optim.make_optimizer({**OPTIM, "eps": 0.0}, 10)
+    mesh = sharding.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), jax.devices()[:1])
+    state, _ = S.create_train_state(model, tx, mesh, "replicated", seed=0)
+    fresh = jax.device_get(state)
+    new, metrics = jax.jit(S.make_train_step(model, tx, schedule, CFG, mesh, B))(state, sharding.global_batch(batch, mesh))
+    new, metrics = jax.device_get((new, metrics))
+    assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])
+    assert int(metrics["nonfinite"]) == 1 and int(new.skipped) == 1 and int(new.step) == 1
+    jax.tree.map(np.testing.assert_array_equal, (new.params, new.opt_state), (fresh.params, fresh.opt_state))
+
+
+def test_all_finite():
+    tree = {"w": jnp.ones((2, 3)), "count": jnp.array(7, jnp.int32), "b": jnp.zeros(2)}
+    assert bool(S.all_finite(tree)) and bool(S.all_finite({}))
+    assert not bool(S.all_finite({**tree, "b": jnp.array([0.0, jnp.inf])}))
+    assert not bool(S.all_finite({**tree, "w": jnp.full((2, 3), jnp.nan)}))
+
+
 def test_logit_scale_is_clamped():
     params = {"logit_scale": jnp.float32(7.0), "w": jnp.ones(2)}
     assert float(optim.clamp_logit_scale(params)["logit_scale"]) == pytest.approx(math.log(100.0))

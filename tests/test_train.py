@@ -140,10 +140,39 @@ def test_bad_configs_fail_before_compiling(tmp_path):
 
 
 def test_nonfinite_run_stops_with_last_good_checkpoint(tmp_path):
-    """lr = NaN makes every update non-finite: K in a row stop the run, nothing bad is saved."""
-    cfg = tiny_config(tmp_path, **{"data.source": "random", "max_nonfinite_in_a_row": 2, "total_steps": 10})
+    """lr = NaN makes every update non-finite from finite gradients: each step is skipped, K in
+    a row stop the run, the message names the flagged steps and a checkpoint that is good, and
+    no checkpoint holds a non-finite value."""
+    cfg = tiny_config(tmp_path, **{"data.source": "random", "max_nonfinite_in_a_row": 2, "total_steps": 10,
+                                   "checkpoint_steps": 1})
     cfg.optim.lr = float("nan")
-    with pytest.raises(FloatingPointError, match="2 steps in a row"):
+    with pytest.raises(FloatingPointError, match=r"steps 1-2 \(2 in a row\) had a non-finite loss, gradient "
+                       r"or update.* The last good checkpoint is step 2 in"):
         train.train(cfg, str(tmp_path / "nan"))
-    assert not list((tmp_path / "nan" / "checkpoints").glob("[0-9]*"))
-    json.loads((tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()[0])
+    saved = sorted(int(p.name) for p in (tmp_path / "nan" / "checkpoints").glob("[0-9]*"))
+    assert saved == [1, 2]
+    for step in saved:
+        params, _, _ = checkpoint.load_params(tmp_path / "nan" / "checkpoints", step)
+        assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(jax.device_get(params)))
+    rows = [json.loads(line) for line in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["nonfinite"] for r in rows] == [1, 1] and rows[-1]["skipped_updates"] == 2
+
+
+def test_nonfinite_from_the_first_step_says_no_checkpoint(tmp_path):
+    cfg = tiny_config(tmp_path, **{"data.source": "random", "max_nonfinite_in_a_row": 1, "total_steps": 10})
+    cfg.optim.eps = 0.0  # Adam's 0/0 on the token rows no caption uses
+    with pytest.raises(FloatingPointError, match=r"steps 1-1 .* No checkpoint was written"):
+        train.train(cfg, str(tmp_path / "eps0"))
+
+
+def test_tokenizer_larger_than_the_model_is_refused_before_compiling(tmp_path):
+    """Token ids past the embedding table NaN every step; refused up front, naming both sizes."""
+    from prolip_jax.models import get_config
+
+    small = get_config("micro").to_dict()
+    small["text_cfg"]["vocab_size"] = 16
+    (tmp_path / "model.json").write_text(json.dumps(small))
+    cfg = tiny_config(tmp_path, **{"model.config_json": str(tmp_path / "model.json")})
+    with pytest.raises(ValueError, match=r"the tokenizer has \d+ tokens but the model's text embedding has 16 rows"):
+        train.train(cfg, str(tmp_path / "vocab"))
+    assert not (tmp_path / "vocab").exists()

@@ -1,0 +1,75 @@
+"""The trainer's command line: every bad command is one line naming the problem, exit 2, and
+nothing created; every field of the typed config can be overridden."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prolip_jax import train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.py") + ":data=random"
+
+
+def _run_main(args, workdir):
+    with pytest.raises(SystemExit) as e:
+        train.main(["prolip_jax.train", *args, "--workdir", str(workdir)])
+    return e.value.code
+
+
+@pytest.mark.parametrize("args, expected", [
+    ([f"--config={ROOT}/configs/tinyy.py"], r"config file .*tinyy\.py does not exist \(.*configs/ has: .*tiny\.py"),
+    (["--config", TINY + ",stepz=3"], r"unknown config arg 'stepz'; known: \['data', 'steps'\]"),
+    (["--config", TINY, "--config.model.dtype=bfloat61"],
+     r"config\.model\.dtype='bfloat61' is not one of \('float32', 'bfloat16', 'float16'\)"),
+    (["--config", TINY, "--config.data.source=tarr"], r"config\.data\.source='tarr' is not one of \(.*'tar'.*\)"),
+    (["--config", TINY, "--config.optim.lrr=1"],
+     r"config\.optim has no field 'lrr'; did you mean config\.optim\.lr\? the fields of config\.optim: b1, b2"),
+    (["--config", TINY, "--config.batch_size=abc"], r"--config\.batch_size=abc: invalid literal"),
+    (["--config", TINY, "--config.model.remat=sometimes"], r"config\.model\.remat='sometimes' is not one of"),
+    (["--config", TINY, "--config.model.variant=B/17"], r"unknown model variant 'B/17'"),
+    (["--config", TINY, "--config.data.source=tar", "--config.data.path=/nowhere/{0..1}.tar"],
+     r"needs data\.tokenizer\.path"),
+])
+def test_bad_command_is_one_line_exit_2_nothing_created(tmp_path, capsys, args, expected):
+    import re
+
+    workdir = tmp_path / "run"
+    assert _run_main(args, workdir) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    assert "\\n" not in err and re.search(expected, err), err
+    assert not workdir.exists()
+
+
+def test_every_data_field_can_be_overridden():
+    """Fields the config file leaves out (DataConfig's defaults), None-valued ones included."""
+    config, fv = train.parse_command_line([
+        "prolip_jax.train", "--config", TINY, "--workdir", "/unused",
+        "--config.data.shuffle_buffer_size=100", "--config.data.num_epochs=3",
+        "--config.data.tfds_data_dir=/data/tfds", "--config.data.tokenizer.path=/vocab.model",
+        "--config.optim.lr=0.5"])
+    assert config.data.shuffle_buffer_size == 100 and config.data.num_epochs == 3
+    assert config.data.tfds_data_dir == "/data/tfds" and config.data.tokenizer.path == "/vocab.model"
+    assert config.optim.lr == 0.5 and fv.workdir == "/unused"
+    # Left alone, they keep DataConfig's defaults (None included) and the pipeline accepts them.
+    from input_pipeline.config import DataConfig
+
+    config, _ = train.parse_command_line(["prolip_jax.train", "--config", TINY, "--workdir", "/unused"])
+    data = config.data.to_dict()
+    assert data["num_epochs"] is None and data["label_key"] is None
+    DataConfig.from_mapping({**data, "source": "demo"})
+
+
+def test_entry_point_bad_config_path(tmp_path):
+    """`python -m prolip_jax.train` itself: one line on stderr, exit 2, no workdir."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-m", "prolip_jax.train", "--config", "configs/tinyy.py",
+                          "--workdir", str(tmp_path / "w")], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "configs/tinyy.py does not exist" in out.stderr and not (tmp_path / "w").exists()
