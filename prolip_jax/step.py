@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import flax.linen as nn
 import flax.struct
+import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import optax
@@ -149,11 +150,14 @@ def check_batch_layout(global_batch: int, n_shards: int, cfg: StepConfig) -> Non
 
 # ---------------------------------------------------------------------------- the step
 def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: Callable, cfg: StepConfig,
-                    mesh: Mesh, global_batch: int) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+                    mesh: Mesh, global_batch: int, trainable: Any = None
+                    ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     """Returns `train_step(state, batch) -> (state, metrics)` (not yet jitted).
 
     batch: {"image": float [B, H, W, 3] normalised, or uint8 (normalised here), "text": int [B, L]},
     B = global_batch sharded over the mesh's batch axes.
+    trainable: a tree of bools like the params (`optim.trainable_mask`); gradients are computed
+    only for the True leaves (locked ones get zeros, which `tx` must ignore), None = all.
     """
     n_shards = sharding.num_batch_shards(mesh)
     check_batch_layout(global_batch, n_shards, cfg)
@@ -163,6 +167,18 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
     num_patches = model.config.vision.num_patches
     masked_rows = (jnp.arange(global_batch // g)[:, None] * g + jnp.arange(m_group)[None]).reshape(-1)
     ppcl = _ppcl_fn(cfg.ppcl_impl, mesh)
+    is_trainable = (lambda path: True) if trainable is None else (  # noqa: E731
+        lambda path, m=flax.traverse_util.flatten_dict(trainable): bool(m[path]))
+
+    # Differentiating only w.r.t. the trainable leaves (flat {path: array} dicts) is what keeps a
+    # locked tower from costing its weight-gradient matmuls.
+    def split(params):
+        flat = flax.traverse_util.flatten_dict(params)
+        return ({p: v for p, v in flat.items() if is_trainable(p)},
+                {p: v for p, v in flat.items() if not is_trainable(p)})
+
+    def join(train, frozen):
+        return flax.traverse_util.unflatten_dict({**train, **frozen})
 
     def features(params, images, tokens, keep_idx=None):
         out = model.apply({"params": params}, images, tokens, image_keep_idx=keep_idx)
@@ -172,23 +188,25 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
         out = {**feats, "logit_scale": jnp.exp(logit_scale), "logit_bias": logit_bias}
         return losses.prolip_loss(out, mfeats, masked_rows if m_group else None, cfg.loss, ppcl_fn=ppcl)
 
-    def grads_one_batch(params, images, tokens, m_images, m_tokens, keep_idx):
-        def total(p):
+    def grads_one_batch(train, frozen, images, tokens, m_images, m_tokens, keep_idx):
+        def total(t):
+            p = join(t, frozen)
             f = features(p, images, tokens)
             mf = features(p, m_images, m_tokens, keep_idx) if m_group else None
             loss, terms = loss_from_features(f, mf, p["logit_scale"], p["logit_bias"])
             return loss, (terms, f)
-        (loss, (terms, f)), grads = jax.value_and_grad(total, has_aux=True)(params)
+        (loss, (terms, f)), grads = jax.value_and_grad(total, has_aux=True)(train)
         return loss, terms, f, grads
 
-    def grads_cached(params, images, tokens, m_images, m_tokens, keep_idx):
-        split = lambda x: split_microbatches(x, n_shards, k)  # noqa: E731
-        merge = lambda x: merge_microbatches(x, n_shards)  # noqa: E731
-        chunks = (split(images), split(tokens))
-        f = jax.tree.map(merge, jax.lax.map(lambda xs: features(params, *xs), chunks))
+    def grads_cached(train, frozen, images, tokens, m_images, m_tokens, keep_idx):
+        params = join(train, frozen)
+        split_mb = lambda x: split_microbatches(x, n_shards, k)  # noqa: E731
+        merge_mb = lambda x: merge_microbatches(x, n_shards)  # noqa: E731
+        chunks = (split_mb(images), split_mb(tokens))
+        f = jax.tree.map(merge_mb, jax.lax.map(lambda xs: features(params, *xs), chunks))
         if m_group:
-            m_chunks = (split(m_images), split(m_tokens))
-            mf = jax.tree.map(merge, jax.lax.map(lambda xs: features(params, *xs, keep_idx), m_chunks))
+            m_chunks = (split_mb(m_images), split_mb(m_tokens))
+            mf = jax.tree.map(merge_mb, jax.lax.map(lambda xs: features(params, *xs, keep_idx), m_chunks))
         else:
             mf = None
         (loss, terms), (g_f, g_mf, g_scale, g_bias) = jax.value_and_grad(
@@ -196,15 +214,17 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
 
         def pull_back(acc, xs, keep=None):
             imgs, toks, g = xs
-            _, vjp = jax.vjp(lambda p: features(p, imgs, toks, keep), params)
+            _, vjp = jax.vjp(lambda t: features(join(t, frozen), imgs, toks, keep), train)
             return jax.tree.map(jnp.add, acc, vjp(g)[0]), None
 
-        grads = jax.tree.map(jnp.zeros_like, params)
-        grads, _ = jax.lax.scan(pull_back, grads, (*chunks, jax.tree.map(split, g_f)))
+        grads = jax.tree.map(jnp.zeros_like, train)
+        grads, _ = jax.lax.scan(pull_back, grads, (*chunks, jax.tree.map(split_mb, g_f)))
         if m_group:
             grads, _ = jax.lax.scan(lambda a, xs: pull_back(a, xs, keep_idx), grads,
-                                    (*m_chunks, jax.tree.map(split, g_mf)))
-        grads = {**grads, "logit_scale": grads["logit_scale"] + g_scale, "logit_bias": grads["logit_bias"] + g_bias}
+                                    (*m_chunks, jax.tree.map(split_mb, g_mf)))
+        for name, g_direct in (("logit_scale", g_scale), ("logit_bias", g_bias)):
+            if (name,) in grads:
+                grads[(name,)] = grads[(name,)] + g_direct
         return loss, terms, f, grads
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
@@ -219,7 +239,9 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
         keep_idx = jnp.sort(jax.random.permutation(rng_img, num_patches)[
             :num_kept_patches(num_patches, cfg.image_keep_ratio)])
         grad_fn = grads_one_batch if k == 1 else grads_cached
-        loss, terms, f, grads = grad_fn(state.params, images, tokens, m_images, m_tokens, keep_idx)
+        train, frozen = split(state.params)
+        loss, terms, f, grads = grad_fn(train, frozen, images, tokens, m_images, m_tokens, keep_idx)
+        grads = join(grads, jax.tree.map(jnp.zeros_like, frozen))
 
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = clamp_logit_scale(optax.apply_updates(state.params, updates))

@@ -126,6 +126,30 @@ def test_nonfinite_update_is_skipped(setup):
     jax.tree.map(np.testing.assert_array_equal, (new.params, new.opt_state), (fresh.params, fresh.opt_state))
 
 
+def test_locked_tower_gets_no_update_and_the_rest_the_same_one(setup, single):
+    """A trainable mask (image tower locked, LiT-style): the step differentiates only the text
+    side; the image tower stays bit-identical and the text side gets the update it gets when
+    nothing is locked (Adam and decay act per leaf, so locking one tower cannot change the other)."""
+    import optax
+
+    model, tx_all, schedule, batch = setup
+    mesh = sharding.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), jax.devices()[:1])
+    fresh, _ = S.create_train_state(model, tx_all, mesh, "replicated", seed=0)
+    trainable = jax.tree_util.tree_map_with_path(lambda path, _: path[0].key != "visual", fresh.params)
+    labels = jax.tree.map(lambda t: "train" if t else "locked", trainable)
+    tx = optax.multi_transform({"train": tx_all, "locked": optax.set_to_zero()}, labels)
+    state = S.TrainState(step=fresh.step, params=fresh.params, opt_state=tx.init(fresh.params), skipped=fresh.skipped)
+    step = jax.jit(S.make_train_step(model, tx, schedule, CFG, mesh, B, trainable=trainable))
+    new, _ = jax.device_get(step(state, sharding.global_batch(batch, mesh)))
+    before = jax.device_get(fresh.params)
+    jax.tree.map(np.testing.assert_array_equal, new.params["visual"], before["visual"])
+    ref = single[0].params  # one step of the same optimiser with nothing locked
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(new.params["text"]), jax.tree.leaves(ref["text"])):
+        if "key_bias" not in jax.tree_util.keystr(path):  # zero true gradient: see the module docstring
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+    assert not np.array_equal(new.params["text"]["ln_final"]["scale"], before["text"]["ln_final"]["scale"])
+
+
 def test_all_finite():
     tree = {"w": jnp.ones((2, 3)), "count": jnp.array(7, jnp.int32), "b": jnp.zeros(2)}
     assert bool(S.all_finite(tree)) and bool(S.all_finite({}))
