@@ -243,3 +243,23 @@ def test_config_init_knobs():
         init_from_config({"path": "x", "vocab_pad": "random"}, MICRO, fresh)
     with pytest.raises(FileNotFoundError):
         init_from_config({"path": "/nonexistent/model.safetensors"}, MICRO, fresh)
+
+
+def test_config_init_from_an_open_clip_file(tmp_path):
+    """Through the importer: an OpenAI-style CLIP state dict (no logit_bias) written as open_clip
+    saves it; the importer's filled-in logit_bias counts as absent, so a and b restart at 10, -10."""
+    from safetensors.numpy import save_file
+
+    from prolip_jax import convert
+
+    src_cfg = clip_like(MICRO)
+    source = init(src_cfg, 1)
+    source["logit_scale"] = np.float32(np.log(100.0))
+    state = convert.unapply_rules(source, convert.conversion_rules(src_cfg, "open_clip", logit_bias=False))
+    assert "logit_bias" not in state
+    save_file(state, str(tmp_path / "open_clip_model.safetensors"))
+    params, report = init_from_config({"path": str(tmp_path), "arch": src_cfg}, MICRO, init(MICRO, 0))
+    assert report.format == "open_clip" and {"logit_scale", "logit_bias"} <= rows(report, "new")
+    assert np.isclose(params["logit_scale"], np.log(10)) and params["logit_bias"] == -10
+    np.testing.assert_array_equal(params["visual"]["proj"], source["visual"]["proj"])
+    assert not (tmp_path / "warm_start.txt").exists()  # only the caller writes the report
