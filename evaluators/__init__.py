@@ -1,1 +1,44 @@
-"""Evaluators: zero-shot classification, retrieval, uncertainty analyses, prompt re-weighting."""
+"""Evaluators: zero-shot classification, retrieval, uncertainty analyses, prompt re-weighting.
+
+    from evaluators import build
+    ev = build("zeroshot", dict(dataset="demo"), model)     # model: a ProLIP module
+    metrics = dict(ev.run(params))                          # or run(params, progress=bar.update)
+
+The trainer (`prolip_jax.train.build_evaluators`, `config.evals`) and `scripts/evaluate.py`
+both build evaluators here. A new evaluator is one module with a class following `Evaluator`
+and one line in `REGISTRY`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Protocol
+
+from evaluators import retrieval, uncertainty, zeroshot
+
+
+class Evaluator(Protocol):
+    """`Cls(config, model, tokenizer=None)`; `run` reads its data through input_pipeline,
+    encodes sharded over all hosts' devices and yields the same (name, value) pairs on every
+    host. `progress(k)` is called with the number of items this host encoded. Optional
+    attributes: `arrays` (per-item numpy arrays of the last run, for plots) and `encoder`."""
+
+    def run(self, params: Any, progress: Callable[[int], None] | None = None
+            ) -> Iterator[tuple[str, float]]: ...
+
+
+REGISTRY: dict[str, type] = {
+    "zeroshot": zeroshot.Evaluator,
+    "prompt_reweighting": zeroshot.BPRWEvaluator,
+    "retrieval": retrieval.Evaluator,
+    "uncertainty": uncertainty.Evaluator,
+}
+
+
+def get(kind: str) -> type:
+    """The evaluator class registered as `kind`; ValueError listing the known names."""
+    if kind not in REGISTRY:
+        raise ValueError(f"unknown evaluator type {kind!r}; registered: {sorted(REGISTRY)}")
+    return REGISTRY[kind]
+
+
+def build(kind: str, config: Any, model: Any, tokenizer: Any = None) -> Evaluator:
+    return get(kind)(config, model, tokenizer)

@@ -1,9 +1,8 @@
-"""Shared evaluator plumbing: batched encoding sharded over all local devices, and metric helpers.
+"""Shared evaluator plumbing: config access, the -CSD / dot scores in blocks, metric helpers.
 
-Every evaluator module exposes `Evaluator(config, model, ...)` whose `run(params)` yields
-`(name, value)` pairs (big_vision style). They all encode through `prolip_jax.encode.Encoder`
-(re-exported here), which pads inputs to a fixed batch, splits each batch over the local
-devices and returns float32 numpy arrays.
+Every evaluator encodes through `prolip_jax.encode.Encoder` (re-exported here) and reads its
+images through `input_pipeline.eval_data` sets, so it runs sharded over all hosts' devices and
+every host computes the same metrics.
 """
 from __future__ import annotations
 
@@ -15,20 +14,35 @@ import jax.numpy as jnp
 import numpy as np
 
 from prolip_jax.encode import Encoder  # noqa: F401  (the evaluators' encoder, re-exported)
+from prolip_jax.losses import csd
+
+
+def get(config: Any, key: str, default: Any = None) -> Any:
+    """config[key] of a dict or ConfigDict; `default` when absent or None."""
+    value = config.get(key, default) if hasattr(config, "get") else getattr(config, key, default)
+    return default if value is None else value
+
+
+def tokenizer_from(config: Any, context_length: int, what: str) -> Callable:
+    """input_pipeline.tokenizers.build_tokenizer(**config.tokenizer), or a clear error."""
+    kw = dict(get(config, "tokenizer", {}) or {})
+    if not kw.get("path"):
+        raise ValueError(f"{what}: pass a tokenizer or set config.tokenizer=dict(kind=..., path=...)")
+    from input_pipeline.tokenizers import build_tokenizer
+    kw.setdefault("context_length", context_length)
+    return build_tokenizer(**kw)
 
 
 @functools.partial(jax.jit, static_argnames="kind")
-def _scores(q_mu: jax.Array, q_lv: jax.Array, g_mu: jax.Array, g_tr: jax.Array, kind: str) -> jax.Array:
-    dot = q_mu @ g_mu.T
+def _scores(q_mu: jax.Array, q_lv: jax.Array | None, g_mu: jax.Array, g_lv: jax.Array | None,
+            kind: str) -> jax.Array:
     if kind == "dot":
-        return dot
-    # -CSD = -(|q - g|^2 + tr(S_q) + tr(S_g)), paper eq. 2 / PCME++.
-    sq = jnp.sum(q_mu ** 2, -1)[:, None] + jnp.sum(g_mu ** 2, -1)[None, :] - 2.0 * dot
-    return -(sq + jnp.sum(jnp.exp(q_lv), -1)[:, None] + g_tr[None, :])
+        return q_mu @ g_mu.T
+    return -csd(q_mu, q_lv, g_mu, g_lv)   # paper eq. 2 / PCME++; None log sigma^2: mu only
 
 
-def blocked_scores(query_mu: np.ndarray, query_logvar: np.ndarray, gallery_mu: np.ndarray,
-                   gallery_logvar: np.ndarray, kind: str = "csd", block: int = 4096,
+def blocked_scores(query_mu: np.ndarray, query_logvar: np.ndarray | None, gallery_mu: np.ndarray,
+                   gallery_logvar: np.ndarray | None, kind: str = "csd", block: int = 4096,
                    reduce: Callable[[np.ndarray, int], Any] | None = None) -> Iterator[tuple[int, Any]]:
     """Scores of query blocks against the whole gallery, computed on device block by block.
 
@@ -40,16 +54,16 @@ def blocked_scores(query_mu: np.ndarray, query_logvar: np.ndarray, gallery_mu: n
     if kind not in ("csd", "dot"):
         raise ValueError(f"unknown score kind {kind!r}; use 'csd' or 'dot'")
     g_mu = jnp.asarray(gallery_mu)
-    g_tr = jnp.sum(jnp.exp(jnp.asarray(gallery_logvar)), -1)
+    g_lv = None if gallery_logvar is None else jnp.asarray(gallery_logvar)
     n = len(query_mu)
     block = max(1, min(block, n))
     for start in range(0, n, block):
-        q_mu, q_lv = query_mu[start:start + block], query_logvar[start:start + block]
-        k = len(q_mu)
-        if k < block:
-            q_mu = np.concatenate([q_mu, np.repeat(q_mu[-1:], block - k, axis=0)])
-            q_lv = np.concatenate([q_lv, np.repeat(q_lv[-1:], block - k, axis=0)])
-        s = np.asarray(_scores(jnp.asarray(q_mu), jnp.asarray(q_lv), g_mu, g_tr, kind))[:k]
+        q = [x if x is None else x[start:start + block] for x in (query_mu, query_logvar)]
+        k = len(q[0])
+        q = [x if x is None or k == block else np.concatenate([x, np.repeat(x[-1:], block - k, 0)])
+             for x in q]
+        s = np.asarray(_scores(jnp.asarray(q[0]), None if q[1] is None else jnp.asarray(q[1]),
+                               g_mu, g_lv, kind))[:k]
         yield start, (reduce(s, start) if reduce is not None else s)
 
 

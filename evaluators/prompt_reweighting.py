@@ -18,14 +18,15 @@ float32 resolution, so the float32 reference effectively always runs 1000 iterat
 classes at once, and the few-shot images are drawn at random per class (the reference indexes
 `50 * c ... 50 * c + NN` into a list that only holds the first image of every batch of ten).
 
-`Evaluator` (at the bottom) is the zero-shot evaluator with BPRW switched on.
+The evaluator is `evaluators.zeroshot.BPRWEvaluator` (registered as "prompt_reweighting"): the
+zero-shot evaluator with BPRW switched on; this module is the algorithm alone.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -246,17 +247,3 @@ def parse_config(value: Any) -> BPRWConfig:
         return BPRWConfig.from_spec(d.pop("spec"), **d)
     return BPRWConfig(**d)
 
-
-class Evaluator:
-    """The zero-shot evaluator with BPRW on (evaluators.zeroshot config keys; `bprw` defaults
-    to ("nn", "fewshot")); `run(params)` yields only the `bprw/...` metrics."""
-
-    def __init__(self, config: Any, model: Any, tokenizer: Any = None):
-        from evaluators import zeroshot
-        cfg = dict(config)
-        cfg.setdefault("bprw", ("nn", "fewshot"))
-        cfg["bprw_only"] = True
-        self._inner = zeroshot.Evaluator(cfg, model, tokenizer)
-
-    def run(self, params: Any, progress: Any = None) -> Iterator[tuple[str, float]]:
-        yield from self._inner.run(params, progress)

@@ -35,9 +35,10 @@ from typing import Any, Callable, Iterator, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from evaluators.common import Encoder, uncertainty
+from input_pipeline import eval_data
+from input_pipeline.eval_data import EvalSet
 from prolip_jax.losses import inclusion_test
 from prolip_jax.models.prolip import ProLIP, mask_text_tokens, random_keep_indices
 
@@ -53,6 +54,7 @@ DEFAULTS: dict[str, Any] = dict(
     image_size=None,        # None: the model's vision.image_size
     context_length=None,    # None: the model's text.context_length
     batch_size=256, normalization="openai", max_items=0,  # 0: all items
+    num_threads=8,          # image reading threads per host
     image_keep_ratio=0.75, text_mask_prob=0.75,
     mask_token_id=None,     # None: the tokenizer's mask_id (the demo's 2; the reference's 32000)
     protected_ids=None,     # None: (pad_id, eos_id) of the tokenizer, else (1,) as the reference
@@ -141,16 +143,16 @@ def summarize(arrays: Mapping[str, np.ndarray], levels: bool) -> dict[str, float
 
 
 # ------------------------------------------------------------------------------ data
-def load_data(cfg: Mapping[str, Any], image_size: int, context_length: int, tokenizer: Any = None
-              ) -> tuple[np.ndarray, np.ndarray, Any, bool]:
-    """-> images [N, S, S, 3], tokens int32 [N, K, L], tokenizer (or None), auto levels flag."""
+def load_data(cfg: Mapping[str, Any], context_length: int
+              ) -> tuple[EvalSet | np.ndarray, np.ndarray, Any, bool]:
+    """-> images (an eval set read through the input pipeline, or an in-memory array [N, S, S, 3]),
+    tokens int32 [N, K, L], tokenizer (or None), auto levels flag."""
+    tokenizer = None
     if cfg["dataset"] == "demo":
-        from input_pipeline.demo import get_demo
-
-        ds = get_demo(**dict(cfg["demo"] or {}))
-        split = ds.load_split(cfg["split"], image_size=image_size, context_length=context_length)
-        images, tokens = split["image"], split["text"]
-        tokenizer = ds.tokenizer(context_length)
+        images = eval_data.demo(cfg["split"], cfg["demo"] or {})
+        tokenizer = images.info["tokenizer"](context_length)
+        k = images.info["captions_per_record"]
+        tokens = tokenizer(images.captions).reshape(len(images), k, -1)
         auto_levels = cfg["split"] == "levels"
     elif cfg["dataset"] == "npz":
         with np.load(cfg["path"]) as z:
@@ -187,11 +189,15 @@ class Evaluator:
         mc = model.config
         self.image_size = int(c["image_size"] or mc.vision.image_size)
         self.context_length = int(c["context_length"] or mc.text.context_length)
-        # Data is loaded once (it is small by construction: an analysis subset).
-        self.images, self.tokens, tokenizer, auto_levels = load_data(
-            c, self.image_size, self.context_length, tokenizer)
+        # Captions are tokenised once (an analysis subset is small); images are read per run.
+        self.images, self.tokens, data_tokenizer, auto_levels = load_data(c, self.context_length)
+        tokenizer = tokenizer or data_tokenizer
         if c["max_items"]:
-            self.images, self.tokens = self.images[:c["max_items"]], self.tokens[:c["max_items"]]
+            self.tokens = self.tokens[:c["max_items"]]
+            if isinstance(self.images, EvalSet):
+                self.images.records.n = min(c["max_items"], self.images.records.n)
+            else:
+                self.images = self.images[:c["max_items"]]
         self.levels = bool(auto_levels if c["levels"] is None else c["levels"]) and self.tokens.shape[1] > 1
         self.pad_id = _first(c["pad_id"], getattr(tokenizer, "pad_id", None), 1)
         self.mask_id = _first(c["mask_token_id"], getattr(tokenizer, "mask_id", None))
@@ -203,39 +209,21 @@ class Evaluator:
         self.name = c["name"] or ("demo" if c["dataset"] == "demo" else Path(c["path"]).stem)
         self.encoder = Encoder(model, c["batch_size"], c["normalization"])
         self.images_per_second = 0.0
-        self._masked_fn = self._build_masked_image_fn()
 
-    def _build_masked_image_fn(self) -> Callable:
-        model, norm = self.model, self.config["normalization"]
-
-        def fn(params, images, keep_idx):
-            if images.dtype == jnp.uint8:
-                from input_pipeline.transforms import normalize_on_device
-
-                images = normalize_on_device(images, norm)
-            return model.apply({"params": params}, images, keep_idx, method=ProLIP.encode_image)
-
-        shard = NamedSharding(self.encoder.mesh, P("batch"))
-        self._shard = shard
-        return jax.jit(fn, out_shardings=(shard, shard))
-
-    def _masked_images(self, params: Any, images: np.ndarray, keep_idx: np.ndarray,
-                       progress: Callable[[int], None] | None) -> tuple[np.ndarray, np.ndarray]:
-        """Encoder._run for (images [N, S, S, 3], keep_idx [N, K]) pairs: fixed, sharded batches."""
-        params = self.encoder.place(params)
-        bs, mus, lvs = self.encoder.batch_size, [], []
-        for i in range(0, len(images), bs):
-            x, k = images[i:i + bs], keep_idx[i:i + bs]
-            n = len(x)
-            if n < bs:
-                x = np.concatenate([x, np.repeat(x[-1:], bs - n, 0)])
-                k = np.concatenate([k, np.repeat(k[-1:], bs - n, 0)])
-            mu, lv = self._masked_fn(params, jax.device_put(x, self._shard), jax.device_put(k, self._shard))
-            mus.append(np.asarray(mu)[:n])
-            lvs.append(np.asarray(lv)[:n])
-            if progress is not None:
-                progress(n)
-        return np.concatenate(mus), np.concatenate(lvs)
+    def _encode_images(self, params: Any, progress: Callable[[int], None] | None,
+                       keep_idx: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        if not isinstance(self.images, EvalSet):
+            mu, lv = self.encoder.images(params, self.images, progress, keep_idx)
+        else:
+            batches = self.images.batches(self.encoder.batch_size * jax.process_count(),
+                                          self.image_size, self.config["normalization"],
+                                          self.config["num_threads"])
+            out = self.encoder.dataset(params, batches, len(self.images), progress, keep_idx)
+            mu, lv = out["mu"], out.get("logvar")
+        if lv is None:
+            raise ValueError("the uncertainty evaluator needs a probabilistic model "
+                             "(log sigma^2); this one is deterministic (embed_unc=False)")
+        return mu, lv
 
     def collect(self, params: Any, progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
         """Per-item arrays (N images, K captions each, D embedding dims):
@@ -254,14 +242,14 @@ class Evaluator:
         flat = self.tokens.reshape(n * k, length)
         key_img, key_txt = jax.random.split(jax.random.key(c["seed"]))
 
-        img_mu, img_lv = self.encoder.images(params, self.images, progress)
+        img_mu, img_lv = self._encode_images(params, progress)
         self.images_per_second = self.encoder.last_throughput
         txt_mu, txt_lv = self.encoder.texts(params, flat, progress)
 
         # Masked views (REFERENCE §2.6): a random keep subset per image, tokens replaced at p.
         keep = np.asarray(_keep_indices(key_img, self.model.config.vision.num_patches,
                                         c["image_keep_ratio"], n))
-        m_img_mu, m_img_lv = self._masked_images(params, self.images, keep, progress)
+        m_img_mu, m_img_lv = self._encode_images(params, progress, keep)
         masked_tokens = np.asarray(_mask_tokens(key_txt, flat, self.mask_id, c["text_mask_prob"],
                                                 self.protected_ids))
         m_txt_mu, m_txt_lv = self.encoder.texts(params, masked_tokens, progress)
@@ -285,8 +273,11 @@ class Evaluator:
         for key, value in summarize(arrays, self.levels).items():
             yield f"uncertainty/{self.name}/{key}", value
 
-    def run(self, params: Any) -> Iterator[tuple[str, float]]:
-        yield from self.summarize(self.collect(params))
+    def run(self, params: Any, progress: Callable[[int], None] | None = None
+            ) -> Iterator[tuple[str, float]]:
+        """The metrics; the per-item arrays stay in `self.arrays` (scripts/evaluate.py plots them)."""
+        self.arrays = self.collect(params, progress)
+        yield from self.summarize(self.arrays)
 
 
 # One compiled program each (op-by-op dispatch would compile every primitive separately).

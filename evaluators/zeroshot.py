@@ -39,31 +39,17 @@ Metrics (all accuracies are fractions in [0, 1]):
 """
 from __future__ import annotations
 
-import concurrent.futures
-import json
-import os
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from evaluators import common, prompt_reweighting
+from evaluators.common import get as _get
+from input_pipeline import eval_data
+from input_pipeline.eval_data import read_list as _read_list
 
 DATA_DIR = Path(__file__).parent / "data"
-IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png", ".bmp", ".webp")
-
-
-# ----------------------------------------------------------------------------- data as data
-def _read_list(path: str, what: str) -> list[str]:
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{what} file {path!r} does not exist")
-    with open(path) as f:
-        if path.endswith(".json"):
-            out = json.load(f)
-            if not isinstance(out, list):
-                raise ValueError(f"{what} file {path!r} must hold a JSON list")
-            return [str(x) for x in out]
-        return [line.rstrip("\n") for line in f if line.strip()]
 
 
 def imagenet_classnames() -> list[str]:
@@ -148,134 +134,24 @@ def ranks(image_mu: np.ndarray, labels: np.ndarray, class_mu: np.ndarray,
                    labels[s:s + block]) for s in range(0, len(image_mu), block)] or [np.zeros(0, int)])
 
 
-# ----------------------------------------------------------------------------- image sources
-def _get(config: Any, key: str, default: Any = None) -> Any:
-    value = config.get(key, default) if hasattr(config, "get") else getattr(config, key, default)
-    return default if value is None else value
-
-
-def read_class_index(path: str) -> dict[str, int]:
-    """class_dir -> index from a JSON dict / list, a Keras-style JSON or a text file."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"class-index file {path!r} does not exist")
-    if not path.endswith(".json"):
-        return {name: i for i, name in enumerate(_read_list(path, "class-index"))}
-    with open(path) as f:
-        raw = json.load(f)
-    if isinstance(raw, list):
-        return {str(name): i for i, name in enumerate(raw)}
-    if all(isinstance(v, (list, tuple)) for v in raw.values()):   # {"0": ["n01440764", "tench"]}
-        return {str(v[0]): int(k) for k, v in raw.items()}
-    return {str(k): int(v) for k, v in raw.items()}
-
-
-def imagefolder_files(root: str, split: str, class_index: str = "") -> tuple[list[str], np.ndarray]:
-    """(image paths, labels int32 [N]) of <root>/<split>/<class_dir>/*.<image extension>."""
-    base = os.path.join(root, split)
-    if not os.path.isdir(base):
-        raise FileNotFoundError(f"ImageFolder split directory {base!r} does not exist")
-    dirs = sorted(d for d in os.listdir(base) if os.path.isdir(os.path.join(base, d)))
-    index = read_class_index(class_index) if class_index else {d: i for i, d in enumerate(dirs)}
-    unknown = [d for d in dirs if d not in index]
-    if unknown:
-        raise ValueError(f"class dirs {unknown[:5]} of {base!r} are not in the class index")
-    files, labels = [], []
-    for d in dirs:
-        for name in sorted(os.listdir(os.path.join(base, d))):
-            if name.lower().endswith(IMAGE_EXTENSIONS):
-                files.append(os.path.join(base, d, name))
-                labels.append(index[d])
-    if not files:
-        raise FileNotFoundError(f"no images under {base!r}")
-    return files, np.asarray(labels, np.int32)
-
-
-def _decode(data: Any, size: int, where: str) -> np.ndarray:
-    """Encoded bytes or a decoded uint8 array -> uint8 [size, size, 3] (the eval transform)."""
-    from input_pipeline.decode import load_rgb
-    from input_pipeline.records import Skip
-    from input_pipeline.transforms import eval_transform
-    img = load_rgb(data, max_pixels=1 << 31, min_side=1, needed_short_side=size)
-    if isinstance(img, Skip):
-        raise ValueError(f"cannot decode image {where}: {img}")
-    return eval_transform(img, size)
-
-
-def _load_file(path: str, size: int) -> np.ndarray:
-    with open(path, "rb") as f:
-        return _decode(f.read(), size, path)
-
-
-class ImageSource:
-    """Images of one zero-shot set as uint8 chunks, and its labels int32 [N]."""
-
-    def __init__(self, config: Any, image_size: int):
-        self.size = image_size
-        self.kind = _get(config, "dataset", "demo")
-        self.threads = int(_get(config, "num_threads", 8))
-        limit = int(_get(config, "num_images", 0))
-        self.demo_task: dict[str, Any] | None = None
-        if self.kind == "demo":
-            from input_pipeline.demo import get_demo
-            self.demo = get_demo(**dict(_get(config, "demo", {})))
-            task = _get(config, "task", "object")
-            if task not in self.demo.zeroshot_tasks:
-                raise ValueError(f"unknown demo task {task!r}; known: {sorted(self.demo.zeroshot_tasks)}")
-            self.demo_task = dict(self.demo.zeroshot_tasks[task], name=task)
-            split = self.demo.load_split("zeroshot", image_size=image_size, image_dtype="uint8")
-            self._images = split["image"]
-            self.labels = split[self.demo_task["label_key"]].astype(np.int32)
-        elif self.kind == "imagefolder":
-            root = _get(config, "root", "")
-            if not root:
-                raise ValueError("dataset='imagefolder' needs config.root")
-            self._files, self.labels = imagefolder_files(root, _get(config, "split", "val"),
-                                                         _get(config, "class_index", ""))
-        elif self.kind == "tfds":
-            try:
-                import tensorflow_datasets as tfds
-            except ImportError as e:
-                raise ImportError("dataset='tfds' needs tensorflow_datasets installed") from e
-            data_dir = _get(config, "data_dir", "") or None
-            if data_dir is not None and not os.path.isdir(data_dir):
-                raise FileNotFoundError(f"tfds data_dir {data_dir!r} does not exist")
-            split = _get(config, "tfds_split", "validation")
-            try:   # undecoded JPEG bytes: decoded here with the pipeline's draft-mode loader
-                self._tfds = tfds.data_source("imagenet2012", split=split, data_dir=data_dir,
-                                              download=False,
-                                              decoders={"image": tfds.decode.SkipDecoding()})
-            except Exception as e:  # pylint: disable=broad-except
-                raise FileNotFoundError(f"tfds imagenet2012 ({split}) is not prepared under "
-                                        f"{data_dir or 'the default data_dir'}: {e}") from e
-            n = len(self._tfds) if not limit else min(limit, len(self._tfds))
-            self.labels = None   # read along with the images (a record holds both)
-            self._n = n
-        else:
-            raise ValueError(f"unknown zero-shot dataset {self.kind!r}; use demo | imagefolder | tfds")
-        if limit and self.labels is not None:
-            self.labels = self.labels[:limit]
-
-    def __len__(self) -> int:
-        return self._n if self.labels is None else len(self.labels)
-
-    def chunks(self, chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(uint8 images [<=chunk, S, S, 3], labels int32 [<=chunk]) in order."""
-        n = len(self)
-        if self.kind == "demo":
-            for s in range(0, n, chunk):
-                yield self._images[s:min(s + chunk, n)], self.labels[s:min(s + chunk, n)]
-            return
-        with concurrent.futures.ThreadPoolExecutor(self.threads) as pool:
-            for s in range(0, n, chunk):
-                idx = range(s, min(s + chunk, n))
-                if self.kind == "imagefolder":
-                    images = list(pool.map(lambda i: _load_file(self._files[i], self.size), idx))
-                    yield np.stack(images), self.labels[s:s + len(images)]
-                else:
-                    recs = list(pool.map(lambda i: self._tfds[i], idx))
-                    images = list(pool.map(lambda r: _decode(r[1]["image"], self.size, f"tfds #{r[0]}"),
-                                           zip(idx, recs)))
-                    yield np.stack(images), np.asarray([r["label"] for r in recs], np.int32)
+# ----------------------------------------------------------------------------- data
+def eval_set(config: Any) -> eval_data.EvalSet:
+    """The image set of a zero-shot config (labels ride in the eval batches)."""
+    kind, limit = _get(config, "dataset", "demo"), int(_get(config, "num_images", 0))
+    if kind == "demo":
+        es = eval_data.demo("zeroshot", _get(config, "demo", {}), _get(config, "task", "object"))
+        if limit:
+            es.records.n = min(limit, es.records.n)
+        return es
+    if kind == "imagefolder":
+        if not _get(config, "root", ""):
+            raise ValueError("dataset='imagefolder' needs config.root")
+        return eval_data.imagefolder(_get(config, "root"), _get(config, "split", "val"),
+                                     _get(config, "class_index", ""), limit=limit)
+    if kind == "tfds":
+        return eval_data.tfds_classification("imagenet2012", _get(config, "tfds_split", "validation"),
+                                             _get(config, "data_dir", "") or None, limit=limit)
+    raise ValueError(f"unknown zero-shot dataset {kind!r}; use demo | imagefolder | tfds")
 
 
 # ----------------------------------------------------------------------------- the evaluator
@@ -286,27 +162,21 @@ class Evaluator:
         self.config = config
         self.model = model
         self.image_size = int(_get(config, "image_size", model.config.vision.image_size))
-        self.source = ImageSource(config, self.image_size)
-        task = self.source.demo_task
-        self.name = _get(config, "name", task["name"] if task else "imagenet")
+        self.data = eval_set(config)
+        info = self.data.info
+        self.name = _get(config, "name", info.get("task", "imagenet"))
         self.classnames = resolve_list(_get(config, "classnames"),
-                                       (lambda: list(task["classnames"])) if task else imagenet_classnames,
-                                       "class names")
+                                       (lambda: list(info["classnames"])) if "classnames" in info
+                                       else imagenet_classnames, "class names")
         self.templates = resolve_list(_get(config, "templates"),
-                                      (lambda: list(task["templates"])) if task else openai_imagenet_templates,
-                                      "templates")
+                                      (lambda: list(info["templates"])) if "templates" in info
+                                      else openai_imagenet_templates, "templates")
         context = model.config.text.context_length
         if tokenizer is None:
-            if task is not None:
-                tokenizer = self.source.demo.tokenizer(context)
-            else:
-                from input_pipeline.tokenizers import build_tokenizer
-                kw = dict(_get(config, "tokenizer", {}))
-                if not kw.get("path"):
-                    raise ValueError("pass a tokenizer or set config.tokenizer (kind, path)")
-                kw.setdefault("context_length", context)
-                tokenizer = build_tokenizer(**kw)
+            tokenizer = (info["tokenizer"](context) if "tokenizer" in info
+                         else common.tokenizer_from(config, context, "zero-shot evaluator"))
         self.tokenizer = tokenizer
+        self.threads = int(_get(config, "num_threads", 8))
         self.encoder = common.Encoder(model, int(_get(config, "batch_size", 256)),
                                       _get(config, "normalization", "openai"))
         bprw = _get(config, "bprw", ())
@@ -316,33 +186,37 @@ class Evaluator:
 
     def encode(self, params: Any, progress: Callable[[int], None] | None = None
                ) -> dict[str, np.ndarray]:
-        """{"text_mu", "text_logvar" [C*T, D], "image_mu", "image_logvar" [N, D], "label" [N]}."""
+        """{"text_mu", "text_logvar" [C*T, D], "image_mu", "image_logvar" [N, D], "label" [N]}
+        (the log sigma^2 are None for a deterministic model)."""
+        import jax
+
         tokens = self.tokenizer(prompts(self.classnames, self.templates))
         text_mu, text_lv = self.encoder.texts(params, tokens)
-        mus, lvs, labels = [], [], []
-        for images, lab in self.source.chunks(8 * self.encoder.batch_size):
-            mu, lv = self.encoder.images(params, images, progress)
-            mus.append(mu)
-            lvs.append(lv)
-            labels.append(lab)
-        d = text_mu.shape[-1]
-        label = np.concatenate(labels) if labels else np.zeros(0, np.int32)
+        batches = self.data.batches(self.encoder.batch_size * jax.process_count(),
+                                    self.image_size, self.encoder.normalization, self.threads)
+        img = self.encoder.dataset(params, batches, len(self.data), progress, fields=("label",))
+        label = img.get("label", np.zeros(len(self.data), np.int32)).astype(np.int32)
         if label.size and (label.max() >= len(self.classnames) or label.min() < 0):
             raise ValueError(f"labels span {label.min()}..{label.max()} but there are "
                              f"{len(self.classnames)} class names")
-        return {"text_mu": text_mu, "text_logvar": text_lv,
-                "image_mu": np.concatenate(mus) if mus else np.zeros((0, d), np.float32),
-                "image_logvar": np.concatenate(lvs) if lvs else np.zeros((0, d), np.float32),
-                "label": label}
+        return {"text_mu": text_mu, "text_logvar": text_lv, "image_mu": img["mu"],
+                "image_logvar": img.get("logvar"), "label": label}
 
     def run(self, params: Any, progress: Callable[[int], None] | None = None
             ) -> Iterator[tuple[str, float]]:
         enc = self.encode(params, progress)
         n_cls, n_tpl = len(self.classnames), len(self.templates)
-        class_mu, class_s2 = class_embeddings(enc["text_mu"], enc["text_logvar"], n_cls, n_tpl)
+        probabilistic = enc["text_logvar"] is not None and enc["image_logvar"] is not None
+        text_lv = enc["text_logvar"] if probabilistic else np.zeros_like(enc["text_mu"])
+        class_mu, class_s2 = class_embeddings(enc["text_mu"], text_lv, n_cls, n_tpl)
         img_mu, labels = enc["image_mu"], enc["label"]
         pre = f"zeroshot/{self.name}"
         if not self.bprw_only:
+            if not probabilistic:   # a deterministic model: mu . mu scores only
+                rank = ranks(img_mu, labels, class_mu, class_s2, "dot")
+                yield f"{pre}/top1_dot", float(np.mean(rank < 1))
+                yield f"{pre}/top5_dot", float(np.mean(rank < 5))
+                return
             unc = common.uncertainty(enc["image_logvar"])
             for kind in ("dot", "csd"):
                 rank = ranks(img_mu, labels, class_mu, class_s2, kind)
@@ -356,6 +230,8 @@ class Evaluator:
                 yield f"{pre}/unc_corr_{kind}", float(corr)
             yield f"{pre}/image_unc_mean", float(unc.mean())
             yield f"{pre}/text_unc_mean", float(common.uncertainty(enc["text_logvar"]).mean())
+        if self.bprw and not probabilistic:
+            raise ValueError("BPRW needs a probabilistic model (log sigma^2); this one is deterministic")
         for setting in self.bprw:
             yield from self._bprw(setting, enc, class_mu, class_s2)
 
@@ -388,3 +264,14 @@ class Evaluator:
         if self.out_dir:
             prompt_reweighting.save_weights(self.out_dir, f"bprw_{self.name}_{mode}", weights,
                                             self.classnames, self.templates, cfg)
+
+
+class BPRWEvaluator(Evaluator):
+    """The zero-shot evaluator with BPRW on (same config keys; `bprw` defaults to
+    ("nn", "fewshot")); `run(params)` yields only the `bprw/...` metrics."""
+
+    def __init__(self, config: Any, model: Any, tokenizer: Any = None):
+        cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        cfg.setdefault("bprw", ("nn", "fewshot"))
+        cfg["bprw_only"] = True
+        super().__init__(cfg, model, tokenizer)

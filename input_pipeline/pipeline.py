@@ -440,19 +440,6 @@ def _build(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer | None, 
     return ds, fingerprint, layout, order
 
 
-class _EvalPosition:
-    """Eval order: host h reads records h, h+P, h+2P, ...; past the end -> padding."""
-
-    def __init__(self, src: Any, process_index: int, process_count: int):
-        self.src, self.h, self.p = src, process_index, process_count
-
-    def __call__(self, j: int) -> Any:
-        position = j * self.p + self.h
-        if position >= len(self.src):
-            return _PAD
-        return 0, position, self.src[position]
-
-
 def _digest(files: Sequence[str]) -> str:
     return hashlib.sha1(json.dumps(list(files)).encode()).hexdigest()[:16]
 
@@ -481,7 +468,7 @@ def build_train_iterator(config: Mapping[str, Any] | DataConfig,
 
 
 def build_eval_iterator(config: Mapping[str, Any] | DataConfig,
-                        tokenizer: Tokenizer | None = None, *,
+                        tokenizer: Tokenizer | None = None, *, source: Any = None,
                         process_index: int | None = None,
                         process_count: int | None = None) -> InputIterator:
     """One pass, in order, eval transform: {"image", "text", "mask": bool [B/P]} (+ "label").
@@ -490,6 +477,86 @@ def build_eval_iterator(config: Mapping[str, Any] | DataConfig,
     sources (array_record, tfds, demo) every host yields exactly ceil(ceil(N/P) / (B/P))
     batches, so a multi-host eval never waits on a host that ran out. Tar shards hold unknown
     numbers of records, so hosts may yield different numbers of batches: for multi-host eval
-    convert them to ArrayRecord first (scripts/tar_to_array_record.py)."""
+    convert them to ArrayRecord first (scripts/tar_to_array_record.py).
+
+    `source`: any random-access sequence of raw records (records.py; e.g. the evaluation sets of
+    input_pipeline.eval_data) read instead of `config.source`/`path`; its batches also carry
+    "index" int32 [B/P], the record of each row (-1 where mask=False)."""
+    if source is not None:
+        return _eval_iterator_from(source, DataConfig.from_mapping(config), tokenizer,
+                                   *_process_index_count(process_index, process_count))
     ds, fingerprint, layout, _ = _build(config, tokenizer, False, process_index, process_count)
     return InputIterator(ds.__iter__(), fingerprint, layout)
+
+
+def _eval_iterator_from(source: Any, cfg: DataConfig, tokenizer: Tokenizer | None, h: int,
+                        p: int) -> InputIterator:
+    if cfg.batch_size % p:
+        raise ValueError(f"eval batch_size={cfg.batch_size} is not divisible by the {p} hosts.")
+    decoder = ExampleDecoder(DecodeConfig(
+        image_size=cfg.image_size, train=False, augment=None,
+        max_image_pixels=cfg.max_image_pixels, min_image_side=cfg.min_image_side))
+    ds = grain.MapDataset.range(-(-len(source) // p)).map(
+        _Indexed(_EvalPosition(source, h, p, raw=True), decoder))
+    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=cfg.read_threads,
+                                              prefetch_buffer_size=cfg.read_buffer_size))
+    ds = _IndexedBatchDataset(ds, cfg.batch_size // p, tokenizer or _NoText(),
+                              cfg.normalization, cfg.image_dtype, train=False,
+                              image_size=cfg.image_size)
+    fingerprint = {"source": f"records:{type(source).__name__}", "num_records": len(source),
+                   "train": False, "batch_size": cfg.batch_size}
+    layout = {"process_index": h, "process_count": p, "num_workers": 0}
+    return InputIterator(ds.__iter__(), fingerprint, layout)
+
+
+class _EvalPosition:
+    """Eval order: host h reads records h, h+P, h+2P, ...; past the end -> padding.
+    raw=True: the source holds raw records already (-> (position, record))."""
+
+    def __init__(self, src: Any, process_index: int, process_count: int, raw: bool = False):
+        self.src, self.h, self.p, self.raw = src, process_index, process_count, raw
+
+    def __call__(self, j: int) -> Any:
+        position = j * self.p + self.h
+        if position >= len(self.src):
+            return _PAD
+        if self.raw:
+            return position, self.src[position]
+        return 0, position, self.src[position]
+
+
+class _Indexed:
+    """(position, raw record) -> decoded example with "index" = position (or the Skip)."""
+
+    def __init__(self, position: _EvalPosition, decoder: Callable[[Any], Any]):
+        self.position, self.decoder = position, decoder
+
+    def __call__(self, j: int) -> Any:
+        item = self.position(j)
+        if isinstance(item, Skip):
+            return item
+        ex = self.decoder(item[1])
+        return ex if isinstance(ex, Skip) else dict(ex, index=item[0])
+
+
+class _NoText:
+    """Tokenizer for image-only eval batches (their texts are encoded apart)."""
+    pad_id, context_length = 0, 1
+
+    def __call__(self, texts: Sequence[str]) -> np.ndarray:
+        return np.zeros((len(texts), 1), np.int32)
+
+
+class _IndexedBatchDataset(_BatchDataset):
+    def __iter__(self) -> "_IndexedBatchIterator":
+        return _IndexedBatchIterator(self._parent.__iter__(), self)
+
+
+class _IndexedBatchIterator(_BatchIterator):
+    def _collate(self, rows: list[dict[str, Any] | None], counts: np.ndarray
+                 ) -> dict[str, np.ndarray]:
+        out = super()._collate(rows, counts)
+        index = np.full(self._ds.batch_size, -1, np.int32)
+        index[:len(rows)] = [-1 if r is None else r["index"] for r in rows]
+        out["index"] = index
+        return out

@@ -29,11 +29,18 @@ LOG2 = math.log(2.0)
 
 
 # --------------------------------------------------------------------------------- CSD / PPCL
-def csd(mu1: jax.Array, logvar1: jax.Array, mu2: jax.Array, logvar2: jax.Array) -> jax.Array:
-    """Closed-form sampled distance [N, M] (PCME++ eq. 2): ||mu1 - mu2||^2 + tr(S1 + S2)."""
+def csd(mu1: jax.Array, logvar1: jax.Array | None, mu2: jax.Array, logvar2: jax.Array | None
+        ) -> jax.Array:
+    """Closed-form sampled distance [N, M] (PCME++ eq. 2): ||mu1 - mu2||^2 + tr(S1 + S2).
+
+    A log sigma^2 of None (a deterministic tower, `embed_unc=False`) has tr(S) = 0: the squared
+    distance of the means alone (for unit mu the ranking of the dot product)."""
     sq = (jnp.sum(mu1 ** 2, -1)[:, None] + jnp.sum(mu2 ** 2, -1)[None, :] - 2.0 * mu1 @ mu2.T)
-    trace = jnp.sum(jnp.exp(logvar1), -1)[:, None] + jnp.sum(jnp.exp(logvar2), -1)[None, :]
-    return sq + trace
+    if logvar1 is not None:
+        sq = sq + jnp.sum(jnp.exp(logvar1), -1)[:, None]
+    if logvar2 is not None:
+        sq = sq + jnp.sum(jnp.exp(logvar2), -1)[None, :]
+    return sq
 
 
 def ppcl_logits(img_mu: jax.Array, img_logvar: jax.Array, txt_mu: jax.Array, txt_logvar: jax.Array,

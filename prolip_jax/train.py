@@ -114,9 +114,6 @@ def validate(config, mesh, mcfg: ProLIPConfig) -> None:
     if not 0 <= config.masking.mask_token_id < mcfg.text.vocab_size:
         raise ValueError(f"masking.mask_token_id={config.masking.mask_token_id} is outside the model's "
                          f"vocabulary of {mcfg.text.vocab_size}")
-    if len(config.evals) and jax.process_count() > 1:
-        raise ValueError("config.evals run on one host's devices; on a multi-host run leave config.evals "
-                         "empty and evaluate checkpoints with scripts/evaluate.py")
 
 
 def maybe_initialize_distributed(coordinator_address: str | None, num_processes: int | None,
@@ -139,20 +136,20 @@ EVAL_KEYS = ("type", "log_steps", "prefix")
 
 def build_evaluators(config, model: ProLIP) -> list[tuple[dict, Any]]:
     """`config.evals.<name> = dict(type=..., log_steps=..., prefix=..., **evaluator_config)`
-    (big_vision style) -> [(settings, evaluators.<type>.Evaluator(evaluator_config, model))]."""
-    import importlib
+    (big_vision style) -> [(settings, evaluators.REGISTRY[type](evaluator_config, model))].
+    Every host runs every evaluator (sharded over all hosts; identical metrics)."""
+    import evaluators
 
     built = []
     for name, ecfg in config.evals.items():
         ecfg = ecfg.to_dict() if hasattr(ecfg, "to_dict") else dict(ecfg)
-        kind = ecfg.get("type")
         try:
-            module = importlib.import_module(f"evaluators.{kind}")
-        except ImportError as e:
-            raise ValueError(f"config.evals.{name}: unknown evaluator type {kind!r} ({e})") from e
+            cls = evaluators.get(ecfg.get("type"))
+        except ValueError as e:
+            raise ValueError(f"config.evals.{name}: {e}") from None
         settings = {"name": name, "log_steps": int(ecfg.get("log_steps", config.log_steps)),
                     "prefix": ecfg.get("prefix", "")}
-        built.append((settings, module.Evaluator({k: v for k, v in ecfg.items() if k not in EVAL_KEYS}, model)))
+        built.append((settings, cls({k: v for k, v in ecfg.items() if k not in EVAL_KEYS}, model)))
     return built
 
 

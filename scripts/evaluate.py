@@ -14,22 +14,21 @@ Writes
                           "throughput/images_per_second": ..., "checkpoint/step": N (prolip_jax
                           checkpoints)} (atomic; non-finite -> null)
     DIR/<name>_*.png      sigma^2 histograms per modality, sigma^2 vs caption length, sigma^2 by
-                          caption level (from the uncertainty evaluator's `collect`); accuracy
+                          caption level (from the uncertainty evaluator's `arrays`); accuracy
                           per uncertainty bin from metrics named ".../unc_bin<i>_<what>" (the
-                          zeroshot evaluator), or from `collect` arrays "bin_accuracy" [B] or
+                          zeroshot evaluator), or from `arrays` "bin_accuracy" [B] or
                           "correct" [N] + "uncertainty" [N].
 
-Evaluator contract: `Evaluator(config, model, tokenizer=None)`, `run(params)` yields (name, value).
-Optional: `collect(params[, progress])` -> dict of numpy arrays and `summarize(arrays)` yielding
-the same metrics as `run` (then `run` is not called: no work twice), `encoder` (an
-`evaluators.common.Encoder`, reused for the throughput measurement).
+Evaluators come from the registry `evaluators.REGISTRY` (the trainer's too): `Cls(config,
+model)`, `run(params, progress)` yields (name, value); optional attributes `arrays` (per-item
+numpy arrays of the run, plotted) and `encoder` (reused for the throughput measurement). On a
+multi-host run (`jax.distributed.initialize()` before `evaluate()`) every host runs this and
+gets the same numbers; only process 0 writes.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
-import inspect
 import json
 import math
 import os
@@ -58,46 +57,32 @@ def load_config(spec: str) -> Any:
     return module.get_config(arg or None)
 
 
-def import_evaluators(evals: dict[str, dict], skip_missing: bool) -> dict[str, tuple[Any, dict]]:
-    """{name: (evaluators.<type> module, settings)}; a type that fails to import is an error
-    naming the evaluator, its module and the cause (or a warning with --skip_missing)."""
+def resolve_evaluators(evals: dict[str, dict], skip_missing: bool) -> dict[str, tuple[type, dict]]:
+    """{name: (registered evaluator class, settings)}; an unknown type is an error naming the
+    evaluator and the registered types (or a warning with --skip_missing)."""
+    import evaluators
+
     out = {}
     for name, ecfg in evals.items():
-        kind = ecfg.get("type")
         try:
-            module = importlib.import_module(f"evaluators.{kind}")
-            getattr(module, "Evaluator")
-        except (ImportError, AttributeError) as e:
-            msg = (f"config.evals.{name}: evaluator type {kind!r} could not be imported from "
-                   f"evaluators/{kind}.py ({type(e).__name__}: {e})")
+            cls = evaluators.get(ecfg.get("type"))
+        except ValueError as e:
+            msg = f"config.evals.{name}: {e}"
             if skip_missing:
                 print(f"warning: {msg}; skipped", file=sys.stderr)
                 continue
             raise SystemExit(f"error: {msg}. Use --skip_missing to run the others.")
-        out[name] = (module, {"prefix": ecfg.get("prefix", "")})
+        out[name] = (cls, {"prefix": ecfg.get("prefix", "")})
     return out
 
 
-def _accepts(fn: Any, arg: str) -> bool:
-    try:
-        return arg in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def run_evaluator(evaluator: Any, params: Any, name: str) -> tuple[dict[str, Any], dict | None]:
-    """-> (metrics, collected arrays or None), with a per-item progress bar when supported."""
+    """-> (metrics, the evaluator's per-item arrays or None), with a per-item progress bar."""
     from tqdm import tqdm
 
     with tqdm(desc=f"  {name}", unit="item", leave=False, file=sys.stderr) as bar:
-        if hasattr(evaluator, "collect") and hasattr(evaluator, "summarize"):
-            kw = {"progress": bar.update} if _accepts(evaluator.collect, "progress") else {}
-            arrays = evaluator.collect(params, **kw)
-            return dict(evaluator.summarize(arrays)), arrays
-        kw = {"progress": bar.update} if _accepts(evaluator.run, "progress") else {}
-        metrics = dict(evaluator.run(params, **kw))
-        arrays = evaluator.collect(params) if hasattr(evaluator, "collect") else None
-        return metrics, arrays
+        metrics = dict(evaluator.run(params, progress=bar.update))
+    return metrics, getattr(evaluator, "arrays", None)
 
 
 def image_throughput(encoder: Any, params: Any, image_size: int, batches: int = 2) -> float:
@@ -249,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--only", default="", help="comma-separated evaluator names to run (default: all)")
     p.add_argument("--skip_missing", action="store_true",
-                   help="skip evaluator types that fail to import instead of stopping")
+                   help="skip evaluator types that are not registered instead of stopping")
     p.add_argument("--no_plots", action="store_true")
     args = p.parse_args(argv)
 
@@ -270,10 +255,11 @@ def evaluate(checkpoint: str, config: Any, out: Path, step: int | None = None,
         if missing:
             raise SystemExit(f"error: --only names {missing} not in config.evals ({sorted(evals)})")
         evals = {k: evals[k] for k in only}
-    modules = import_evaluators(evals, skip_missing)  # fail before the (slow) load
+    modules = resolve_evaluators(evals, skip_missing)  # fail before the (slow) load
     if not modules:
         raise SystemExit("error: no evaluator to run")
 
+    import jax
     import prolip_jax
     from tqdm import tqdm
 
@@ -289,10 +275,10 @@ def evaluate(checkpoint: str, config: Any, out: Path, step: int | None = None,
     collected: dict[str, dict] = {}
     per_eval: dict[str, dict] = {}
     encoder = None
-    for name, (module, settings) in tqdm(modules.items(), desc="evaluators", file=sys.stderr):
+    for name, (cls, settings) in tqdm(modules.items(), desc="evaluators", file=sys.stderr):
         ecfg = {k: v for k, v in evals[name].items() if k not in EVAL_KEYS}
         start = time.perf_counter()
-        evaluator = module.Evaluator(ecfg, model.module)
+        evaluator = cls(ecfg, model.module)
         metrics, arrays = run_evaluator(evaluator, params, name)
         results.update({settings["prefix"] + k: v for k, v in metrics.items()})
         results[f"{name}/seconds"] = time.perf_counter() - start
@@ -312,6 +298,8 @@ def evaluate(checkpoint: str, config: Any, out: Path, step: int | None = None,
     print(f"image encoding: {ips:.1f} images/s ({encoder.batch_size} per batch, "
           f"{len(encoder.mesh.devices.ravel())} devices)")
 
+    if jax.process_index() != 0:   # every host has the same results; one writes them
+        return results
     write_json_atomic(out / "results.json", {k: _jsonable(v) for k, v in results.items()})
     written = make_plots(collected, {n: evals[n]["type"] for n in modules}, per_eval, out) if plots else []
     print(f"wrote {out / 'results.json'} ({len(results)} values) and {len(written)} plots")

@@ -9,6 +9,7 @@ import pytest
 from PIL import Image
 
 from evaluators import retrieval as R
+from input_pipeline import eval_data
 
 # ---- a hand-computed case: 3 images, 7 captions; img0 {0,1}, img1 {2,3}, img2 {4,5,6} -----
 CAP_IMG = np.array([0, 0, 1, 1, 2, 2, 2])
@@ -179,13 +180,17 @@ def test_evaluator_end_to_end_demo(setup):
     ev = R.Evaluator(dict(dataset="demo", demo=demo, batch_size=16, block=7), model)
     res = dict(ev.run(params))
     data = ev.data()
-    assert data.num_images == 20 and len(data.captions) == 20
+    assert len(data) == 20 and len(data.captions) == 20
+    from input_pipeline.demo import get_demo
+    ref = get_demo(**demo).load_split("retrieval", image_size=16,
+                                      context_length=model.config.text.context_length)
+    assert data.captions == list(ref["captions"])
     names = {f"retrieval/demo/{s}/{d}_{m}" for s in ("csd", "dot") for d in ("i2t", "t2i")
              for m in ("R@1", "R@5", "R@10", "rprecision", "map_at_r")}
     names |= {"retrieval/demo/csd/rsum", "retrieval/demo/dot/rsum"}
     assert set(res) == names
     for kind in ("csd", "dot"):
-        want = dense_metrics(embed(model, params, data.images, data.text), data.caption_image,
+        want = dense_metrics(embed(model, params, ref["image"], ref["text"]), data.caption_record,
                              kind)
         for k, v in want.items():
             assert res[f"retrieval/demo/{kind}/{k}"] == pytest.approx(v, abs=1e-6), (kind, k)
@@ -214,30 +219,31 @@ def test_karpathy_loading(tmp_path):
     from input_pipeline.transforms import eval_transform
 
     path = write_karpathy(tmp_path)
-    data = R.load_karpathy(str(path), str(tmp_path), image_size=16)
-    assert data.name == "coco" and data.num_images == 4
+    data = eval_data.karpathy(str(path), str(tmp_path))
+    assert data.name == "coco" and len(data) == 4
     assert len(data.captions) == 20   # image 0 has 6 sentences: the first 5 are kept
     assert data.captions[:2] == ["a red square number 0 0", "a red square number 0 1"]
-    np.testing.assert_array_equal(data.caption_image, np.repeat(np.arange(4), 5))
-    np.testing.assert_array_equal(data.image_ids, [1000, 1001, 1002, 1003])
-    assert data.caption_ids is None   # no annotation ids given
-    chunk = data.image_chunk(1, 3)
-    assert chunk.shape == (2, 16, 16, 3) and chunk.dtype == np.uint8
+    np.testing.assert_array_equal(data.caption_record, np.repeat(np.arange(4), 5))
+    np.testing.assert_array_equal(data.info["image_ids"], [1000, 1001, 1002, 1003])
+    assert data.info["caption_ids"] is None   # no annotation ids given
+    (batch,) = list(data.batches(4, 16))      # through the input pipeline's eval iterator
+    assert batch["image"].shape == (4, 16, 16, 3) and batch["image"].dtype == np.uint8
+    assert batch["mask"].all() and batch["index"].tolist() == [0, 1, 2, 3]
     want = eval_transform(Image.open(tmp_path / "val2014" / "img2.png").convert("RGB"), 16)
-    np.testing.assert_array_equal(chunk[1], want)
+    np.testing.assert_array_equal(batch["image"][2], want)
     # real COCO caption ids from an annotation file, matched on (image id, text)
     anns = [{"image_id": 1000 + i, "id": 7000 + 10 * i + j,
              "caption": f"A red square number {i} {j} "} for i in range(4) for j in range(6)]
     (tmp_path / "captions_val2014.json").write_text(json.dumps({"annotations": anns}))
-    data = R.load_karpathy(str(path), str(tmp_path), 16,
-                           coco_annotations=[str(tmp_path / "captions_val2014.json")])
-    assert data.caption_ids[:6].tolist() == [7000, 7001, 7002, 7003, 7004, 7010]
+    data = eval_data.karpathy(str(path), str(tmp_path),
+                              coco_annotations=[str(tmp_path / "captions_val2014.json")])
+    assert data.info["caption_ids"][:6].tolist() == [7000, 7001, 7002, 7003, 7004, 7010]
     # missing files are named
     with pytest.raises(FileNotFoundError, match="nothere.json"):
-        R.load_karpathy(str(tmp_path / "nothere.json"), str(tmp_path), 16)
+        eval_data.karpathy(str(tmp_path / "nothere.json"), str(tmp_path))
     (tmp_path / "val2014" / "img3.png").unlink()
     with pytest.raises(FileNotFoundError, match="img3.png"):
-        R.load_karpathy(str(path), str(tmp_path), 16)
+        eval_data.karpathy(str(path), str(tmp_path))
 
 
 def test_evaluator_karpathy_coco_folds(setup, tmp_path):
@@ -251,17 +257,17 @@ def test_evaluator_karpathy_coco_folds(setup, tmp_path):
                      tokenizer=tok)
     res = dict(ev.run(params))
     data = ev.data()
-    images = np.stack([data.image_chunk(i, i + 1)[0] for i in range(4)])
+    images = np.concatenate([b["image"][b["mask"]] for b in data.batches(4, 16)])
     from input_pipeline.transforms import normalize
     tokens = tok(data.captions)
     emb = embed(model, params, normalize(images), tokens)
-    full = dense_metrics(emb, data.caption_image, "csd")
+    full = dense_metrics(emb, data.caption_record, "csd")
     for k, v in full.items():
         assert res[f"retrieval/coco/csd/5k/{k}"] == pytest.approx(v, abs=1e-6), k
     # fold f: images 2f, 2f+1 and their captions 10f..10f+9
     folds = [dense_metrics((emb[0][2 * f:2 * f + 2], emb[1][2 * f:2 * f + 2],
                             emb[2][10 * f:10 * f + 10], emb[3][10 * f:10 * f + 10]),
-                           data.caption_image[:10], "csd") for f in range(2)]
+                           data.caption_record[:10], "csd") for f in range(2)]
     for k in full:
         assert res[f"retrieval/coco/csd/1k/{k}"] == pytest.approx(
             np.mean([f[k] for f in folds]), abs=1e-6), k
@@ -300,9 +306,9 @@ def test_evaluator_eccv_and_cxc_on_real_ids(setup, monkeypatch):
     i_lv, t_lv = rng.normal(-3, 1, i_mu.shape), rng.normal(-3, 1, t_mu.shape)
     emb = tuple(x.astype(np.float32) for x in (i_mu, i_lv, t_mu, t_lv))
     ev = R.Evaluator(dict(dataset="karpathy", scores=("csd",), num_folds=0), model)
-    ev._data = R.RetrievalData("coco", len(imgs), np.zeros(0), [""] * len(caps), cap_img,
-                               np.array(imgs), np.array(caps))
-    monkeypatch.setattr(ev, "encode", lambda params, data: emb)
+    ev._data = eval_data.EvalSet("coco", [None] * len(imgs), [""] * len(caps), cap_img,
+                                 {"image_ids": np.array(imgs), "caption_ids": np.array(caps)})
+    monkeypatch.setattr(ev, "encode", lambda params, data, progress=None: emb)
     res = dict(ev.run(None))
 
     i_mu, i_lv, t_mu, t_lv = (x.astype(np.float64) for x in emb)

@@ -193,9 +193,9 @@ def test_evaluate_script_on_converted_checkpoint(micro, demo_dir, demo_eval, tmp
                 "uncertainty_sigma2_by_level", "zeroshot_accuracy_by_uncertainty"):
         path = out / f"{png}.png"
         assert path.stat().st_size > 1000 and path.read_bytes()[:4] == b"\x89PNG"
-    # An evaluator type that does not import is a clear error naming it.
+    # An unregistered evaluator type is a clear error naming it and the registered ones.
     bad = tmp_path / "bad.py"
     bad.write_text("import ml_collections as m\ndef get_config(arg=None):\n    c = m.ConfigDict()\n"
                    "    c.evals = m.ConfigDict(dict(x=dict(type='no_such_eval')))\n    return c\n")
-    with pytest.raises(SystemExit, match="x: evaluator type 'no_such_eval' could not be imported"):
+    with pytest.raises(SystemExit, match=r"x: unknown evaluator type 'no_such_eval'; registered: \[.*'zeroshot'"):
         evaluate.main(["--checkpoint", str(ckpt), "--config", str(bad), "--out", str(out)])

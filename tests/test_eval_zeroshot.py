@@ -9,6 +9,7 @@ import pytest
 from PIL import Image
 
 from evaluators import common, prompt_reweighting as pr, zeroshot as zs
+from input_pipeline import eval_data
 
 DEMO = dict(image_size=16, num_train=200, num_zeroshot=72, num_retrieval=20, num_levels=10)
 
@@ -230,7 +231,7 @@ def test_evaluator_on_demo(micro, tmp_path_factory):
     assert w.shape == (36, 4)
     np.testing.assert_allclose(w.sum(1), 1.0, atol=1e-5)
     # the BPRW-only evaluator yields only bprw metrics
-    only = dict(pr.Evaluator(dict(config, bprw="nn", out_dir=""), model).run(params))
+    only = dict(zs.BPRWEvaluator(dict(config, bprw="nn", out_dir=""), model).run(params))
     assert set(only) == {f"bprw/object/nn/{k}" for k in (
         "top1_dot_base", "top1_dot", "top1_csd_base", "top1_csd", "weight_max", "weight_entropy",
         "uniform_entropy", "em_iterations")}
@@ -238,7 +239,7 @@ def test_evaluator_on_demo(micro, tmp_path_factory):
     # few-shot with one support image per class, scored without the support images: the
     # base accuracy is the plain ensemble's on the 36 images that are left
     one_shot = dict(spec="2-1-1-5-0.02-inverse", use_gt=True)
-    ex = dict(pr.Evaluator(dict(config, bprw=[one_shot], out_dir="", bprw_exclude_support=True),
+    ex = dict(zs.BPRWEvaluator(dict(config, bprw=[one_shot], out_dir="", bprw_exclude_support=True),
                            model).run(params))
     support = pr.select_images(enc["text_mu"].reshape(36, 4, -1), enc["image_mu"], 1,
                                enc["label"], np.random.default_rng(0))
@@ -259,19 +260,20 @@ def test_imagefolder(micro, tmp_path):
                 tmp_path / "val" / d / f"img{i}.JPEG")
     (tmp_path / "val" / "n001" / "notes.txt").write_text("not an image")
     (tmp_path / "index.json").write_text(json.dumps({"n002": 0, "n001": 1}))
-    files, labels = zs.imagefolder_files(str(tmp_path), "val", str(tmp_path / "index.json"))
+    files, labels = eval_data.imagefolder_files(str(tmp_path), "val", str(tmp_path / "index.json"))
     assert len(files) == 6 and labels.tolist() == [1, 1, 1, 0, 0, 0]   # dirs listed sorted
-    assert zs.read_class_index(str(tmp_path / "index.json")) == {"n002": 0, "n001": 1}
+    assert eval_data.read_class_index(str(tmp_path / "index.json")) == {"n002": 0, "n001": 1}
     keras = tmp_path / "keras.json"
     keras.write_text(json.dumps({"0": ["n002", "two"], "1": ["n001", "one"]}))
-    assert zs.read_class_index(str(keras)) == {"n002": 0, "n001": 1}
+    assert eval_data.read_class_index(str(keras)) == {"n002": 0, "n001": 1}
     tok = lambda texts: np.asarray([[3 + len(t) % 50] + [1] * 7 for t in texts], np.int32)
     config = dict(dataset="imagefolder", root=str(tmp_path), split="val",
                   class_index=str(tmp_path / "index.json"), classnames=["two", "one"],
                   templates=["a {}", "the {}"], batch_size=8, name="folder")
     ev = zs.Evaluator(config, model, tokenizer=tok)
-    src = list(ev.source.chunks(4))
-    assert [x[0].shape for x in src] == [(4, 16, 16, 3), (2, 16, 16, 3)] and src[0][0].dtype == np.uint8
+    src = list(ev.data.batches(4, 16))   # the input pipeline's eval batches: padded, masked
+    assert [b["image"].shape for b in src] == [(4, 16, 16, 3)] * 2 and src[0]["image"].dtype == np.uint8
+    assert [b["mask"].sum() for b in src] == [4, 2] and src[1]["index"].tolist() == [4, 5, -1, -1]
     results = dict(ev.run(params))
     assert 0 <= results["zeroshot/folder/top1_dot"] <= 1 and results["zeroshot/folder/top5_csd"] == 1.0
     # 6 images: 6 bins of one image each, so every bin accuracy is 0 or 1 (no empty bins)
@@ -281,7 +283,7 @@ def test_imagefolder(micro, tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         zs.Evaluator(dict(config, root=str(tmp_path / "nope")), model, tokenizer=tok)
     with pytest.raises(ValueError, match="not in the class index"):
-        zs.imagefolder_files(str(tmp_path), "val", _write(tmp_path / "one.json", {"n002": 0}))
+        eval_data.imagefolder_files(str(tmp_path), "val", _write(tmp_path / "one.json", {"n002": 0}))
 
 
 def _write(path, obj):

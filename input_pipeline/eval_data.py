@@ -1,0 +1,328 @@
+"""Evaluation sets: records for `build_eval_iterator` plus what every host knows up front.
+
+    es = eval_data.demo("retrieval", demo_kwargs)           # or imagefolder / karpathy / tfds ...
+    for batch in es.batches(global_batch, image_size):      # this host's share, padded, masked
+        ...                                                 # {"image" uint8, "mask", "index", ["label"]}
+    es.captions, es.caption_record                          # every caption and its record
+
+Images are read through the input pipeline (host h reads records h, h+P, ...; decode + eval
+transform; failed records become mask=False rows). Captions are small and known to every host:
+they are tokenised and encoded apart (prolip_jax.encode.Encoder.texts).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from input_pipeline import records
+
+IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png", ".bmp", ".webp")
+
+
+@dataclasses.dataclass
+class EvalSet:
+    """records: random access, len() and [i] -> raw record {"image", "txt", "key", "label"}.
+    captions [M] with caption_record int [M] (the record of each caption), or None.
+    info: anything else the set knows (classnames, templates, image_ids, caption_ids, tokens)."""
+    name: str
+    records: Any
+    captions: list[str] | None = None
+    caption_record: np.ndarray | None = None
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def batches(self, batch_size: int, image_size: int, normalization: str = "openai",
+                threads: int = 8) -> Any:
+        """The eval iterator over the images: batch_size is GLOBAL (B/P rows per host)."""
+        from input_pipeline.pipeline import build_eval_iterator
+
+        cfg = dict(source="array_record", path=self.name, batch_size=batch_size,
+                   image_size=image_size, normalization=normalization, image_dtype="uint8",
+                   read_threads=max(1, threads), min_image_side=1)
+        return build_eval_iterator(cfg, source=self.records)
+
+
+# ------------------------------------------------------------------------------ record sources
+class _Records:
+    """records[i] -> raw record, from a per-index reader (picklable, random access)."""
+
+    def __init__(self, n: int, read: Any):
+        self.n, self.read = n, read
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return self.read(i)
+
+
+class _Files:
+    def __init__(self, paths: Sequence[str], labels: Sequence[int] | None = None):
+        self.paths, self.labels = list(paths), labels
+
+    def __call__(self, i: int) -> dict[str, Any]:
+        with open(self.paths[i], "rb") as f:
+            data = f.read()
+        label = None if self.labels is None else int(self.labels[i])
+        return {"image": data, "txt": self.paths[i], "key": self.paths[i], "label": label}
+
+
+class _ArrayRecord:
+    """Records of this project's format; `label_key` picks the label from the record's meta."""
+
+    def __init__(self, path: str, label_key: str | None):
+        import grain
+        self.src = grain.sources.ArrayRecordDataSource([path])
+        self.label_key = label_key
+
+    def __call__(self, i: int) -> dict[str, Any]:
+        rec = records.decode_record(self.src[i])
+        label = rec["meta"].get(self.label_key) if self.label_key else None
+        return {"image": rec["image"], "txt": rec.get("key") or str(i), "key": rec.get("key", ""),
+                "label": label}
+
+    def header(self, i: int) -> dict[str, Any]:
+        return records.decode_record(self.src[i])
+
+
+class _Arrays:
+    def __init__(self, images: np.ndarray):
+        self.images = images
+
+    def __call__(self, i: int) -> dict[str, Any]:
+        return {"image": np.asarray(self.images[i]), "txt": str(i), "key": str(i), "label": None}
+
+
+class _Tfds:
+    def __init__(self, src: Any, image_key: str = "image", label_key: str | None = None):
+        self.src, self.image_key, self.label_key = src, image_key, label_key
+
+    def __call__(self, i: int) -> dict[str, Any]:
+        ex = self.src[i]
+        label = int(ex[self.label_key]) if self.label_key else None
+        return {"image": ex[self.image_key], "txt": f"tfds #{i}", "key": f"tfds #{i}",
+                "label": label}
+
+
+# ------------------------------------------------------------------------------ the sets
+def demo(split: str, demo_kwargs: Mapping[str, Any] | None = None, task: str | None = None
+         ) -> EvalSet:
+    """A demo split ("zeroshot", "retrieval", "levels"), with its tokenizer in info.
+
+    zeroshot: label = the task's label_key, info classnames / templates of `task` ("object" |
+    "shape"). retrieval: one caption per record. levels: the 4 caption levels of each record."""
+    from input_pipeline.demo import get_demo
+
+    ds = get_demo(**dict(demo_kwargs or {}))
+    info: dict[str, Any] = {"tokenizer": ds.tokenizer, "demo": ds}
+    label_key = None
+    if split == "zeroshot":
+        task = task or "object"
+        if task not in ds.zeroshot_tasks:
+            raise ValueError(f"unknown demo task {task!r}; known: {sorted(ds.zeroshot_tasks)}")
+        t = ds.zeroshot_tasks[task]
+        label_key = t["label_key"]
+        info.update(classnames=list(t["classnames"]), templates=list(t["templates"]), task=task)
+    reader = _ArrayRecord(ds.split_path(split), label_key)
+    n = len(reader.src)
+    es = EvalSet(task if split == "zeroshot" else "demo", _Records(n, reader), info=info)
+    if split != "zeroshot":
+        txt = [reader.header(i)["txt"] for i in range(n)]
+        per = [[t] if isinstance(t, str) else list(t) for t in txt]
+        es.captions = [c for p in per for c in p]
+        es.caption_record = np.repeat(np.arange(n), [len(p) for p in per])
+        es.info["captions_per_record"] = len(per[0]) if per else 1
+    return es
+
+
+def read_list(path: str, what: str) -> list[str]:
+    """A JSON list or a text file, one item per line."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{what} file {path!r} does not exist")
+    with open(path) as f:
+        if path.endswith(".json"):
+            out = json.load(f)
+            if not isinstance(out, list):
+                raise ValueError(f"{what} file {path!r} must hold a JSON list")
+            return [str(x) for x in out]
+        return [line.rstrip("\n") for line in f if line.strip()]
+
+
+def read_class_index(path: str) -> dict[str, int]:
+    """class_dir -> index from a JSON dict / list, a Keras-style JSON or a text file."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"class-index file {path!r} does not exist")
+    if not path.endswith(".json"):
+        return {name: i for i, name in enumerate(read_list(path, "class-index"))}
+    with open(path) as f:
+        raw = json.load(f)
+    if isinstance(raw, list):
+        return {str(name): i for i, name in enumerate(raw)}
+    if all(isinstance(v, (list, tuple)) for v in raw.values()):   # {"0": ["n01440764", "tench"]}
+        return {str(v[0]): int(k) for k, v in raw.items()}
+    return {str(k): int(v) for k, v in raw.items()}
+
+
+def imagefolder_files(root: str, split: str, class_index: str = "") -> tuple[list[str], np.ndarray]:
+    """(image paths, labels int32 [N]) of <root>/<split>/<class_dir>/*.<image extension>."""
+    base = os.path.join(root, split)
+    if not os.path.isdir(base):
+        raise FileNotFoundError(f"ImageFolder split directory {base!r} does not exist")
+    dirs = sorted(d for d in os.listdir(base) if os.path.isdir(os.path.join(base, d)))
+    index = read_class_index(class_index) if class_index else {d: i for i, d in enumerate(dirs)}
+    unknown = [d for d in dirs if d not in index]
+    if unknown:
+        raise ValueError(f"class dirs {unknown[:5]} of {base!r} are not in the class index")
+    files, labels = [], []
+    for d in dirs:
+        for name in sorted(os.listdir(os.path.join(base, d))):
+            if name.lower().endswith(IMAGE_EXTENSIONS):
+                files.append(os.path.join(base, d, name))
+                labels.append(index[d])
+    if not files:
+        raise FileNotFoundError(f"no images under {base!r}")
+    return files, np.asarray(labels, np.int32)
+
+
+def imagefolder(root: str, split: str = "val", class_index: str = "", name: str = "imagenet",
+                limit: int = 0) -> EvalSet:
+    files, labels = imagefolder_files(root, split, class_index)
+    n = min(limit, len(files)) if limit else len(files)
+    return EvalSet(name, _Records(n, _Files(files, labels)))
+
+
+def tfds_classification(tfds_name: str = "imagenet2012", split: str = "validation",
+                        data_dir: str | None = None, name: str = "imagenet", limit: int = 0
+                        ) -> EvalSet:
+    """A tfds classification set prepared as array_record (images stay encoded until read)."""
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError as e:
+        raise ImportError("dataset='tfds' needs tensorflow_datasets installed") from e
+    if data_dir is not None and not os.path.isdir(data_dir):
+        raise FileNotFoundError(f"tfds data_dir {data_dir!r} does not exist")
+    try:
+        src = tfds.data_source(tfds_name, split=split, data_dir=data_dir, download=False,
+                               decoders={"image": tfds.decode.SkipDecoding()})
+    except Exception as e:  # pylint: disable=broad-except
+        raise FileNotFoundError(f"tfds {tfds_name} ({split}) is not prepared under "
+                                f"{data_dir or 'the default data_dir'}: {e}") from e
+    n = min(limit, len(src)) if limit else len(src)
+    return EvalSet(name, _Records(n, _Tfds(src, label_key="label")))
+
+
+def arrays(images: np.ndarray, name: str) -> EvalSet:
+    """uint8 images [N, H, W, 3] held in memory (e.g. an .npz analysis set)."""
+    return EvalSet(name, _Records(len(images), _Arrays(images)))
+
+
+# ------------------------------------------------------------------------------ image-caption sets
+def _need(path: str, what: str) -> str:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"retrieval evaluator: {what} not found: {path}")
+    return path
+
+
+def _norm_text(s: str) -> str:
+    return re.sub(r"\s+", " ", s.strip().lower())
+
+
+def _coco_caption_ids(files: Sequence[str]) -> dict[tuple[int, str], int]:
+    """(COCO image id, normalised caption) -> caption annotation id, from captions_*.json."""
+    table: dict[tuple[int, str], int] = {}
+    for f in files:
+        with open(_need(f, "COCO captions annotation file")) as fh:
+            for a in json.load(fh)["annotations"]:
+                table[(int(a["image_id"]), _norm_text(a["caption"]))] = int(a["id"])
+    return table
+
+
+def _coco_5k_ids() -> tuple[set[int], set[int]] | None:
+    """(image ids, caption ids) of the COCO 5K test set as eccv_caption ships them, or None."""
+    try:
+        import eccv_caption
+    except ImportError:
+        return None
+    data = os.path.join(os.path.dirname(eccv_caption.__file__), "data")
+    with open(os.path.join(data, "original_image_to_caption.json")) as f:
+        images = {int(k) for k in json.load(f)}
+    return images, set(np.load(os.path.join(data, "coco_test_ids.npy")).tolist())
+
+
+def karpathy(json_path: str, image_root: str, split: str = "test",
+             captions_per_image: int | None = None, coco_annotations: Sequence[str] = ()
+             ) -> EvalSet:
+    """A Karpathy-split file (dataset_coco.json / dataset_flickr30k.json) + its image folder.
+
+    Images at `image_root/filepath/filename` (COCO) or `image_root/filename` (Flickr30k).
+    COCO caption annotation ids (for eccv_caption) come from a sentence's "id" field or from
+    `coco_annotations` (captions_{train,val}2014.json) matched on (cocoid, text). For COCO with
+    known ids and eccv_caption installed, the captions kept are the 5K protocol's (its ids);
+    otherwise the first `captions_per_image` (default 5 for COCO, all otherwise).
+    info: image_ids (COCO only) and caption_ids (when all are known).
+    """
+    with open(_need(json_path, "Karpathy split file")) as f:
+        meta = json.load(f)
+    name = meta.get("dataset", os.path.splitext(os.path.basename(json_path))[0])
+    entries = [e for e in meta["images"] if e.get("split") == split]
+    if not entries:
+        raise ValueError(f"retrieval evaluator: no images with split {split!r} in {json_path}")
+    is_coco = name == "coco"
+    if captions_per_image is None and is_coco:
+        captions_per_image = 5
+    ann = _coco_caption_ids(coco_annotations) if coco_annotations else {}
+    coco_5k = _coco_5k_ids() if is_coco else None
+
+    paths, captions, cap_img, image_ids, cap_ids = [], [], [], [], []
+    for i, e in enumerate(entries):
+        p = os.path.join(image_root, e.get("filepath", ""), e["filename"])
+        if not os.path.exists(p):
+            p = _need(os.path.join(image_root, e["filename"]), "image")
+        paths.append(p)
+        image_ids.append(int(e.get("cocoid", e.get("imgid", i))))
+        sents = []
+        for s in e["sentences"]:
+            cid = s.get("id", ann.get((image_ids[-1], _norm_text(s["raw"]))))
+            sents.append((s["raw"], None if cid is None else int(cid)))
+        known = all(c is not None for _, c in sents)
+        if known and coco_5k is not None and image_ids[-1] in coco_5k[0]:
+            sents = [x for x in sents if x[1] in coco_5k[1]]   # the 5K protocol's 5 captions
+        elif captions_per_image:
+            sents = sents[:captions_per_image]
+        for raw, cid in sents:
+            captions.append(raw)
+            cap_img.append(i)
+            cap_ids.append(cid)
+    ids_known = all(c is not None for c in cap_ids)
+    info = {"image_ids": np.asarray(image_ids, np.int64) if is_coco else None,
+            "caption_ids": np.asarray(cap_ids, np.int64) if ids_known else None}
+    return EvalSet(name, _Records(len(paths), _Files(paths)), captions,
+                   np.asarray(cap_img, np.int64), info)
+
+
+def tfds_captions(tfds_name: str = "coco_captions", split: str = "test",
+                  data_dir: str | None = None) -> EvalSet:
+    """tfds `coco_captions` (its "test" split is the Karpathy 5K test set; real COCO ids)."""
+    from input_pipeline.sources import tfds_source
+
+    src = tfds_source(tfds_name, split, data_dir)
+    captions, cap_img, cap_ids, image_ids = [], [], [], []
+    for i in range(len(src)):   # every host reads the captions (small next to the images)
+        ex = src[i]
+        image_ids.append(int(ex["image/id"]))
+        for t, cid in zip(ex["captions"]["text"], ex["captions"]["id"]):
+            captions.append(t.decode() if isinstance(t, bytes) else str(t))
+            cap_img.append(i)
+            cap_ids.append(int(cid))
+    return EvalSet("coco" if "coco" in tfds_name else tfds_name, _Records(len(src), _Tfds(src)),
+                   captions, np.asarray(cap_img, np.int64),
+                   {"image_ids": np.asarray(image_ids), "caption_ids": np.asarray(cap_ids)})
