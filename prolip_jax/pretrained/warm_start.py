@@ -27,7 +27,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -151,15 +151,31 @@ def init_from_config(init_cfg: Mapping[str, Any] | None, target: ProLIPConfig, f
     `target` from it. Raises ValueError / FileNotFoundError for a bad source or a mismatch;
     writes nothing (the caller writes `report` once the run is set up).
     """
+    apply = prepare(init_cfg, target, fresh_params)
+    return (fresh_params, None) if apply is None else apply(fresh_params)
+
+
+def prepare(init_cfg: Mapping[str, Any] | None, target: ProLIPConfig, param_shapes: Mapping[str, Any]
+            ) -> Callable[[Mapping[str, Any]], tuple[dict, WarmStartReport]] | None:
+    """Imports the source of `config.init` and checks it against the target's parameter shapes
+    (anything with `.shape`: `jax.eval_shape` output will do), so a bad source or an unexpected
+    mismatch stops a run before anything compiles. Returns `apply(fresh_params) -> (params,
+    report)`, or None when `init_cfg` has no path."""
     cfg = resolve_init_config(init_cfg)
     if not cfg["path"]:
-        return fresh_params, None
+        return None
     from prolip_jax.pretrained.loader import load_pretrained
 
     src_config, src_params, imported = load_pretrained(cfg["path"], format=cfg["format"], arch=cfg["arch"] or None)
-    return warm_start(target, fresh_params, src_config, src_params,
-                      source_absent=tuple(imported.filled), text_pos_keep=int(cfg["text_pos_keep"]),
-                      vocab_pad=cfg["vocab_pad"], source=imported.source, format=imported.format)
+    absent = tuple(imported.filled)
+    _check(_flatten(param_shapes, as_array=False), {k: v for k, v in _flatten(src_params).items() if k not in absent})
+
+    def apply(fresh_params: Mapping[str, Any]) -> tuple[dict, WarmStartReport]:
+        return warm_start(target, fresh_params, src_config, src_params, source_absent=absent,
+                          text_pos_keep=int(cfg["text_pos_keep"]), vocab_pad=cfg["vocab_pad"],
+                          source=imported.source, format=imported.format)
+
+    return apply
 
 
 def warm_start(target: ProLIPConfig, fresh_params: Mapping[str, Any], source_config: ProLIPConfig,
@@ -353,13 +369,13 @@ def linear_matrix(n_in: int, n_out: int) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
+def _flatten(tree: Mapping[str, Any], prefix: str = "", as_array: bool = True) -> dict[str, Any]:
     out = {}
     for k, v in tree.items():
         if isinstance(v, Mapping):
-            out.update(_flatten(v, f"{prefix}{k}/"))
+            out.update(_flatten(v, f"{prefix}{k}/", as_array))
         else:
-            out[f"{prefix}{k}"] = np.asarray(v, np.float32)
+            out[f"{prefix}{k}"] = np.asarray(v, np.float32) if as_array else v
     return out
 
 
