@@ -177,6 +177,13 @@ def _phase_locks(ft: Finetune, step: int) -> bool:
     return bool(ft.lock) and (ft.unlock_step == 0 or step < ft.unlock_step)
 
 
+def rebuild_steps(config: Mapping[str, Any]) -> tuple[int, ...]:
+    """Global steps at which the trainer must rebuild the optimiser (make_optimizer(..., step=s)
+    and transfer_state): the unlock step, if any."""
+    ft = finetune_config(config)
+    return (ft.unlock_step,) if ft.lock and ft.unlock_step else ()
+
+
 def trainable_mask(params: Any, config: Mapping[str, Any], step: int = 0) -> Any:
     """Tree of bool like `params`: False for the parameters locked at global step `step`.
 
@@ -276,11 +283,12 @@ def make_optimizer(config: Mapping[str, Any], total_steps: int, params: Any = No
         _check_matches(g["pattern"], param_paths(params), f"optim.groups[{i}]")
 
     trainable = jax.tree.leaves(trainable_mask(params, config, step))
-    ever_locked = jax.tree.leaves(trainable_mask(params, config, 0))  # locked in the first phase
-    adam_labels = [LOCKED if not t else ADAM if e else ADAM_UNLOCKED for t, e in zip(trainable, ever_locked)]
+    # Adam state per partition: a parameter unlocked later gets its own Adam count, from 0.
+    from_start = jax.tree.leaves(trainable_mask(params, config, 0))
+    adam_labels = [LOCKED if not t else ADAM if s else ADAM_UNLOCKED for t, s in zip(trainable, from_start)]
     # Stateless per-leaf settings, one label per distinct (lr_mult, wd) pair; names stay checkpoint-safe.
-    settings = [(m, w) for m, w in zip(jax.tree.leaves(lr_multipliers(params, config)),
-                                       jax.tree.leaves(weight_decays(params, config)))]
+    settings = list(zip(jax.tree.leaves(lr_multipliers(params, config)),
+                        jax.tree.leaves(weight_decays(params, config))))
     distinct = sorted({s for s, t in zip(settings, trainable) if t})
     scale_labels = [f"scale{distinct.index(s)}" if t else LOCKED for s, t in zip(settings, trainable)]
 
