@@ -1,7 +1,9 @@
 """The trainer as users run it: two processes x 4 CPU devices through jax.distributed on
-localhost == one process x 8 devices; SIGTERM (preemption) saves and exits cleanly."""
+localhost == one process x 8 devices (training and in-training evaluation); SIGTERM
+(preemption) saves and exits cleanly."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 from prolip_jax import checkpoint
 
@@ -37,8 +40,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# In-training evaluation on tiny demo splits: every evaluator, each host reading its share.
+EVAL_CONFIG = """
+from prolip_jax import config_args
+
+def get_config(arg=None):
+    c = config_args.load_config_file("{root}/configs/tiny.py:" + (arg or ""))
+    demo = dict(cache_dir="{cache}", image_size=16, num_train=200, num_zeroshot=36,
+                num_retrieval=20, num_levels=10)
+    for name, kw in (("zs", dict(type="zeroshot", task="object", bprw=("nn",))),
+                     ("ret", dict(type="retrieval")), ("unc", dict(type="uncertainty"))):
+        c.evals[name] = dict(kw, dataset="demo", demo=demo, log_steps=3, prefix="eval/",
+                             batch_size=8)
+    return c
+"""
+
+
+def _eval_config(tmp_path) -> str:
+    from input_pipeline.demo import get_demo
+
+    cache = tmp_path / "demo"
+    get_demo(cache_dir=str(cache), image_size=16, num_train=200, num_zeroshot=36,   # once, here
+             num_retrieval=20, num_levels=10)
+    path = tmp_path / "eval_config.py"
+    path.write_text(EVAL_CONFIG.format(root=ROOT, cache=cache))
+    return str(path)
+
+
 def test_two_processes_equal_one(tmp_path):
-    train = [sys.executable, "-m", "prolip_jax.train", "--config", "configs/tiny.py:steps=3,data=random"]
+    train = [sys.executable, "-m", "prolip_jax.train", "--config", _eval_config(tmp_path) + ":steps=3,data=random"]
     port = _free_port()
     single = subprocess.run(train + ARGS + ["--workdir", str(tmp_path / "single")], cwd=ROOT, env=_env(8),
                             capture_output=True, text=True, timeout=600)
@@ -62,6 +92,13 @@ def test_two_processes_equal_one(tmp_path):
     la = (tmp_path / "multi" / "metrics.jsonl").read_text().splitlines()
     lb = (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()
     assert len(la) == len(lb) == 3
+    # In-training evaluation at step 3 on 2 hosts == on 1 host: the same metrics (from params
+    # equal to ~1e-5, see above; every host reads its share and gathers the encodings).
+    ea, eb = ({k: v for k, v in json.loads(lines[2]).items() if k.startswith("eval/")} for lines in (la, lb))
+    assert set(ea) == set(eb) and len(ea) > 80
+    assert {k.split("/")[1] for k in ea} == {"zeroshot", "bprw", "retrieval", "uncertainty"}
+    for k, v in eb.items():
+        assert ea[k] == pytest.approx(v, rel=1e-3, abs=1e-6), k
 
     # The 8-device checkpoint resumes in one process with 4 devices (another device count).
     resumed = subprocess.run([sys.executable, "-m", "prolip_jax.train", "--config", "configs/tiny.py:steps=4,data=random",
