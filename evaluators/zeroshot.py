@@ -36,6 +36,9 @@ Metrics (all accuracies are fractions in [0, 1]):
     bprw/<name>/<mode>/top1_{dot,csd}_base (80-prompt ensemble), top1_{dot,csd} (re-weighted),
     bprw/<name>/<mode>/weight_max, weight_entropy, em_iterations   (<mode>: "nn", "fewshot", or
     the spec string for other settings)
+A deterministic model (log sigma^2 None) yields top1_dot and top5_dot only; BPRW needs sigma^2.
+`BPRWEvaluator` (registered as "prompt_reweighting") yields only the bprw/... metrics.
+Images are read through input_pipeline.eval_data (sharded over the hosts); labels ride along.
 """
 from __future__ import annotations
 
