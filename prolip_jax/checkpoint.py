@@ -108,13 +108,15 @@ TRAIN_ITEMS = (PARAMS, OPT_STATE, COUNTERS, CONFIG, DATA)
 
 
 def save_train_state(mngr: ocp.CheckpointManager, step: int, state: Any, model_config: ProLIPConfig,
-                     train_config: Any, data: Any, force: bool = False) -> None:
-    """Asynchronous save of params, optimiser state, counters, config and the data position."""
+                     train_config: Any, data: Any, force: bool = False, locked: list[str] = ()) -> None:
+    """Asynchronous save of params, optimiser state, counters, config and the data position.
+    `locked`: the parameter paths locked at `step` (recorded in the config item)."""
     import grain
 
     from prolip_jax.data import StateSnapshot
 
-    meta = {"model": model_config.to_dict(), "train_config": json.loads(train_config.to_json_best_effort())}
+    meta = {"model": model_config.to_dict(), "train_config": json.loads(train_config.to_json_best_effort()),
+            "locked": list(locked)}
     mngr.save(step, force=force, args=ocp.args.Composite(**{
         PARAMS: ocp.args.StandardSave(state.params),
         OPT_STATE: ocp.args.StandardSave(state.opt_state),

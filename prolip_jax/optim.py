@@ -10,9 +10,9 @@ clipping by default; `logit_scale` clamped to [0, ln 100] after every step.
 Fine-tuning controls (fields of `config.optim`, defaults in FINETUNE_DEFAULTS). Patterns are Python
 regular expressions searched (`re.search`) in the '/'-joined parameter path, e.g.
 `visual/transformer/resblocks_3/attn/query_kernel`, `text/token_embedding`, `logit_scale`.
-- lock: patterns of parameters that are not trained: they get no optimiser state (no Adam moments)
+- locked: patterns of parameters that are not trained: they get no optimiser state (no Adam moments)
   and their update is exactly zero. `^visual/` locks the image tower (LiT).
-- unlock_step: with `lock`, the locked parameters become trainable at this global step (0: never).
+- unlock_step: with `locked`, the locked parameters become trainable at this global step (0: never).
   The trainer rebuilds the optimiser at that step (make_optimizer(..., step=unlock_step)) and moves
   the state over with `transfer_state`: the parameters trained so far keep their Adam moments and
   count, the unlocked ones start from zero moments with their own Adam count (as a PyTorch
@@ -45,7 +45,7 @@ MAX_LOGIT_SCALE = math.log(100.0)
 
 # The fine-tuning fields of `config.optim` and their defaults (the defaults train everything with
 # today's single AdamW, state layout included).
-FINETUNE_DEFAULTS = dict(lock=(), unlock_step=0, groups=(), layer_decay=1.0)
+FINETUNE_DEFAULTS = dict(locked=(), unlock_step=0, groups=(), layer_decay=1.0)
 GROUP_KEYS = ("pattern", "lr_mult", "weight_decay")
 
 # Parameters before the first transformer block of a tower (layer-wise lr decay's "layer 0").
@@ -131,14 +131,14 @@ def _compile(pattern: Any, what: str) -> re.Pattern:
 def finetune_config(config: Mapping[str, Any]) -> Finetune:
     """The fine-tuning fields of `config` (missing ones take FINETUNE_DEFAULTS), checked; ValueError if bad."""
     c = {**FINETUNE_DEFAULTS, **{k: _plain(config[k]) for k in FINETUNE_DEFAULTS if k in config}}
-    lock = (c["lock"],) if isinstance(c["lock"], str) else tuple(c["lock"] or ())
+    lock = (c["locked"],) if isinstance(c["locked"], str) else tuple(c["locked"] or ())
     for p in lock:
-        _compile(p, "optim.lock")
+        _compile(p, "optim.locked")
     unlock_step = c["unlock_step"]
     if isinstance(unlock_step, bool) or not isinstance(unlock_step, int) or unlock_step < 0:
         raise ValueError(f"optim.unlock_step must be an integer >= 0 (0: never unlock), got {unlock_step!r}")
     if unlock_step and not lock:
-        raise ValueError(f"optim.unlock_step={unlock_step} has no effect without optim.lock patterns")
+        raise ValueError(f"optim.unlock_step={unlock_step} has no effect without optim.locked patterns")
     groups = []
     for i, g in enumerate(c["groups"] or ()):
         g = _plain(g)
@@ -191,9 +191,9 @@ def trainable_mask(params: Any, config: Mapping[str, Any], step: int = 0) -> Any
     ft = finetune_config(config)
     paths = param_paths(params)
     for p in ft.lock:
-        _check_matches(p, paths, "optim.lock")
+        _check_matches(p, paths, "optim.locked")
     if ft.lock and all(_is_locked_by_pattern(ft, p) for p in paths):
-        raise ValueError(f"optim.lock {list(ft.lock)} locks every parameter; nothing would be trained")
+        raise ValueError(f"optim.locked {list(ft.lock)} locks every parameter; nothing would be trained")
     locks = _phase_locks(ft, step)
     return _map_with_path(lambda path, _: not (locks and _is_locked_by_pattern(ft, path)), params)
 
@@ -277,7 +277,7 @@ def make_optimizer(config: Mapping[str, Any], total_steps: int, params: Any = No
         ]
         return optax.chain(*parts), schedule
     if params is None:
-        raise ValueError("optim.lock / optim.groups / optim.layer_decay need the parameter tree: "
+        raise ValueError("optim.locked / optim.groups / optim.layer_decay need the parameter tree: "
                          "make_optimizer(config, total_steps, params)")
     for i, g in enumerate(ft.groups):
         _check_matches(g["pattern"], param_paths(params), f"optim.groups[{i}]")

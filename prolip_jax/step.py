@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from input_pipeline.transforms import normalize_on_device
 from prolip_jax import losses, sharding
 from prolip_jax.models.prolip import ProLIP, dummy_inputs, mask_text_tokens, num_kept_patches
+from prolip_jax import optim
 from prolip_jax.optim import clamp_logit_scale
 
 FEATURES = ("image_mean", "image_logvar", "text_mean", "text_logvar")
@@ -99,7 +100,7 @@ def state_shardings(model: ProLIP, tx: optax.GradientTransformation, mesh: Mesh,
     param_sh = sharding.logical_shardings(boxed, mesh, rules)
     replicated = NamedSharding(mesh, P())
     abstract_opt = jax.eval_shape(tx.init, nn.unbox(boxed))
-    opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_sh,
+    opt_sh = optim.tree_map_params(tx, lambda _, s: s, abstract_opt, param_sh,
                                    transform_non_params=lambda _: replicated)
     return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, skipped=replicated)
 

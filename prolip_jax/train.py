@@ -28,8 +28,9 @@ from prolip_jax import losses, optim, sharding
 from prolip_jax import step as step_lib
 from prolip_jax.data import build_train_data
 from prolip_jax.metrics import MetricWriter
-from prolip_jax.models import ProLIP, ProLIPConfig, get_config
+from prolip_jax.models import ProLIP, ProLIPConfig, abstract_params, get_config
 from prolip_jax.models.transformer import REMAT_POLICIES
+from prolip_jax.pretrained import warm_start
 from input_pipeline.config import SOURCES as DATA_SOURCES
 
 
@@ -65,13 +66,15 @@ def step_config(config) -> step_lib.StepConfig:
 FIELDS = {
     "": {"seed", "total_steps", "batch_size", "model", "data", "loss", "masking", "optim", "microbatches",
          "mesh", "sharding_rules", "log_steps", "checkpoint_steps", "keep_checkpoints",
-         "max_nonfinite_in_a_row", "evals"},
+         "max_nonfinite_in_a_row", "evals", "init"},
     "model": {"variant", "config_json", "dtype", "remat", "attention_impl", "init_logit_scale"},
     "loss": {"ppcl_weight", "vib_beta", "alpha_image_text", "alpha_masked", "inclusion_eps", "inclusion_scale",
              "vib_form", "ppcl_impl"},
     "masking": {"fraction", "group", "image_keep_ratio", "text_mask_prob", "mask_token_id", "protected_ids"},
-    "optim": {"lr", "warmup_steps", "b1", "b2", "eps", "weight_decay", "clip_norm", "end_lr"},
+    "optim": {"lr", "warmup_steps", "b1", "b2", "eps", "weight_decay", "clip_norm", "end_lr",
+              *optim.FINETUNE_DEFAULTS},  # lock, unlock_step, groups, layer_decay: fine-tuning controls
     "mesh": {"shape", "axes"},
+    "init": set(warm_start.DEFAULTS),  # a pretrained model to start from (prolip_jax/pretrained/warm_start.py)
 }
 
 
@@ -153,6 +156,41 @@ def build_evaluators(config, model: ProLIP) -> list[tuple[dict, Any]]:
     return built
 
 
+def warm_started(state: step_lib.TrainState, apply: Any, shardings: step_lib.TrainState, workdir: Path,
+                 is_chief: bool) -> step_lib.TrainState:
+    """`state` with the params of `warm_start.prepare(config.init, ...)`: the pretrained ones where
+    they fit, the fresh (reference) initialisation for what ProLIP adds (paper B.2, C.8). The
+    optimiser state is untouched: AdamW's moments start at zero whatever the params."""
+    from jax.experimental import multihost_utils
+
+    fresh = multihost_utils.process_allgather(state.params, tiled=True)  # host numpy, every process
+    params, report = apply(fresh)
+    params = jax.tree.map(lambda x, sh: jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx]),
+                          params, shardings.params)
+    if is_chief:
+        print(report.table(), flush=True)
+        report.write(workdir)
+    return state.replace(params=params)
+
+
+def restore(mngr: ocp.CheckpointManager, step: int, model: ProLIP, tx: Any, shardings: step_lib.TrainState,
+            mesh: Any, config: Any, param_shapes: Any, data: Any) -> step_lib.TrainState:
+    """The train state saved at `step`, on this run's mesh and optimiser. Fine-tuning controls
+    (lock, groups, layer_decay) set the optimiser state's layout: a checkpoint saved under other
+    ones is restored in its own layout, then its Adam moments move over by parameter path."""
+    saved = ckpt_lib.load_config(mngr.directory, step)[1].get("train_config", {}).get("optim", {})
+    saved = {**config.optim.to_dict(), **optim.FINETUNE_DEFAULTS, **saved}
+    saved_tx, _ = optim.make_optimizer(saved, config.total_steps, param_shapes, step=step)
+    saved_sh = step_lib.state_shardings(model, saved_tx, mesh, config.sharding_rules)
+    state = ckpt_lib.restore_train_state(mngr, step, step_lib.abstract_train_state(model, saved_tx, saved_sh), data)
+    same = jax.tree.structure(saved_sh.opt_state) == jax.tree.structure(shardings.opt_state)
+    if same:
+        return state
+    opt_state = jax.jit(lambda o, p: optim.transfer_state(o, tx, p),
+                        out_shardings=shardings.opt_state)(state.opt_state, state.params)
+    return state.replace(opt_state=opt_state)
+
+
 def to_host(x: jax.Array) -> np.ndarray:
     """A replicated array's value on this host (multi-host arrays are not fully addressable)."""
     return np.asarray(x.addressable_data(0))
@@ -167,6 +205,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
     stop_at_step: behave as if preempted (SIGTERM) when that step is reached; for tests.
     """
     workdir = Path(workdir)
+    config = with_defaults(config.copy_and_resolve_references())
     is_chief = jax.process_index() == 0
 
     # ---- Mesh, model, optimiser -------------------------------------------------------
@@ -176,33 +215,53 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
     scfg = step_config(config)
     model = ProLIP(mcfg, dtype=jnp.dtype(config.model.dtype), attention_impl=config.model.attention_impl,
                    remat=config.model.remat)
-    tx, schedule = optim.make_optimizer(config.optim.to_dict(), config.total_steps)
-    state_sh = step_lib.state_shardings(model, tx, mesh, config.sharding_rules)
+    param_shapes = abstract_params(mcfg)
+    # The optimiser depends on the step (a locked tower unlocks at optim.unlock_step), so it is
+    # built once the step to start from is known.
+    make_optimizer = lambda step: optim.make_optimizer(  # noqa: E731
+        config.optim.to_dict(), config.total_steps, param_shapes, step=step)
+    make_optimizer(0)  # checks lock/group patterns against the parameters before anything compiles
 
     # ---- Data ----------------------------------------------------------------------------
     data = build_train_data(config, mcfg)
+
+    # ---- Pretrained weights (config.init): imported and checked now, applied after init. ---
+    # A run that resumes never re-imports: its checkpoint already holds the warm-started state.
+    ckpt_dir = (workdir / "checkpoints").absolute()
+    resuming = ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+    apply_warm_start = None if resuming else warm_start.prepare(config.init, mcfg, param_shapes)
 
     # ---- Checkpoints: resume if the workdir has one -------------------------------------
     # Only now, with the config and the data checked, does the workdir come into being.
     workdir.mkdir(parents=True, exist_ok=True)
     mngr = ocp.CheckpointManager(
-        (workdir / "checkpoints").absolute(),
+        ckpt_dir,
         options=ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True,
                                              enable_async_checkpointing=True),
         item_names=ckpt_lib.TRAIN_ITEMS)
     start = mngr.latest_step()
+    tx, schedule = make_optimizer(start or 0)
+    state_sh = step_lib.state_shardings(model, tx, mesh, config.sharding_rules)
     if start is None:
         state, _ = step_lib.create_train_state(model, tx, mesh, config.sharding_rules, config.seed)
         start = 0
+        if apply_warm_start is not None:
+            state = warm_started(state, apply_warm_start, state_sh, workdir, is_chief)
     else:
-        abstract = step_lib.abstract_train_state(model, tx, state_sh)
-        state = ckpt_lib.restore_train_state(mngr, start, abstract, data)
+        state = restore(mngr, start, model, tx, state_sh, mesh, config, param_shapes, data)
         if is_chief:
             print(f"resumed from {workdir / 'checkpoints' / str(start)} (step {start})", flush=True)
 
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    train_step = jax.jit(step_lib.make_train_step(model, tx, schedule, scfg, mesh, config.batch_size),
-                         in_shardings=(state_sh, None), out_shardings=(state_sh, replicated), donate_argnums=0)
+
+    def compile_step(step: int):
+        """The jitted step of the optimiser phase at `step`: only trainable leaves are differentiated."""
+        trainable = optim.trainable_mask(param_shapes, config.optim.to_dict(), step)
+        fn = step_lib.make_train_step(model, tx, schedule, scfg, mesh, config.batch_size, trainable=trainable)
+        return jax.jit(fn, in_shardings=(state_sh, None), out_shardings=(state_sh, replicated), donate_argnums=0)
+
+    train_step = compile_step(start)
+    rebuild_at = optim.rebuild_steps(config.optim.to_dict())
 
     evaluators = build_evaluators(config, model)
 
@@ -222,7 +281,8 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
         if not bool(to_host(state_is_finite(state))):
             raise FloatingPointError(f"the train state at step {step} is not finite; not saving it. "
                                      f"{last_good_checkpoint()}")
-        ckpt_lib.save_train_state(mngr, step, state, mcfg, config, data, force=force)
+        ckpt_lib.save_train_state(mngr, step, state, mcfg, config, data, force=force,
+                                  locked=optim.locked_paths(param_shapes, config.optim.to_dict(), step))
 
     def last_good_checkpoint() -> str:
         good = mngr.latest_step()
@@ -241,6 +301,14 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
             batch = sharding.global_batch(next(data), mesh)
             state, metrics = train_step(state, batch)
             step += 1
+            if step in rebuild_at:  # optim.unlock_step: the locked parameters join the optimiser
+                tx, schedule = make_optimizer(step)
+                state_sh = step_lib.state_shardings(model, tx, mesh, config.sharding_rules)
+                state = state.replace(opt_state=jax.jit(lambda o, p: optim.transfer_state(o, tx, p),
+                                                        out_shardings=state_sh.opt_state)(state.opt_state, state.params))
+                train_step = compile_step(step)
+                if is_chief:
+                    print(f"step {step}: unlocked {list(config.optim.locked)} (fresh Adam moments for them)", flush=True)
             # Read the previous step's flag (step - 1): the device keeps working on this one meanwhile.
             if prev_metrics is not None:
                 in_a_row = in_a_row + 1 if int(to_host(prev_metrics["nonfinite"])) else 0
@@ -300,10 +368,12 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
 # =====================================================================================
 # Command line.
 # =====================================================================================
-def with_data_defaults(config):
-    """`config` with every field of input_pipeline.DataConfig that the file leaves out set to
-    its default, so `--config.data.<any field>=...` works (None defaults become typed
-    placeholders: ml_collections cannot override a plain None)."""
+def with_defaults(config):
+    """`config` with the sections and fields it leaves out set to the defaults declared beside
+    the code that uses them: `init` (warm_start.DEFAULTS), the fine-tuning controls of `optim`
+    (optim.FINETUNE_DEFAULTS) and every field of
+    input_pipeline.DataConfig, so `--config.<section>.<any field>=...` works (None defaults
+    become typed placeholders: ml_collections cannot override a plain None)."""
     import dataclasses
     import typing
 
@@ -313,6 +383,11 @@ def with_data_defaults(config):
 
     hints = typing.get_type_hints(DataConfig)
     with config.unlocked():
+        if "init" not in config:
+            config.init = dict(warm_start.DEFAULTS)
+        for key, value in optim.FINETUNE_DEFAULTS.items():
+            if key not in config.optim:
+                config.optim[key] = value
         for field in dataclasses.fields(DataConfig):
             if field.name in config.data or field.name == "batch_size":  # the trainer's batch_size rules
                 continue
@@ -352,7 +427,7 @@ def parse_command_line(argv: list[str]) -> tuple[Any, Any]:
     from prolip_jax import config_args
 
     spec, argv = _split_config_arg(argv)
-    config = with_data_defaults(config_args.load_config_file(spec))
+    config = with_defaults(config_args.load_config_file(spec))
     config_args.check_overrides(config, argv)
     fv = flags.FlagValues()  # not absl's global FLAGS: parsing twice in one process is fine
     holder = config_flags.DEFINE_config_dict("config", config, lock_config=True, flag_values=fv, sys_argv=argv)

@@ -107,7 +107,7 @@ def test_neutral_group_gives_todays_updates_through_the_partitioned_chain():
 
 # ------------------------------------------------------------------------------- locking
 def test_locked_params_get_no_state_and_zero_updates():
-    cfg = {**OPTIM, "lock": ("^visual/",)}
+    cfg = {**OPTIM, "locked": ("^visual/",)}
     params = make_tree()
     tx, schedule = optim.make_optimizer(cfg, TOTAL, params)
     mask = optim.trainable_mask(params, cfg)
@@ -130,7 +130,7 @@ def test_locked_params_get_no_state_and_zero_updates():
 
 
 def test_partition_differentiates_only_trainable_leaves():
-    cfg = {**OPTIM, "lock": "^text/|logit_"}  # a single string is one pattern
+    cfg = {**OPTIM, "locked": "^text/|logit_"}  # a single string is one pattern
     params = make_tree()
     mask = optim.trainable_mask(params, cfg)
     trainable, locked = optim.partition(params, mask)
@@ -212,7 +212,7 @@ def test_layer_decay_multipliers_follow_beit_convention():
 
 # ------------------------------------------------------------------------------- unlocking
 def test_unlock_rebuilds_optimizer_and_keeps_moments():
-    cfg = {**OPTIM, "lock": ("^visual/",), "unlock_step": 3}
+    cfg = {**OPTIM, "locked": ("^visual/",), "unlock_step": 3}
     params = make_tree()
     tx0, schedule = optim.make_optimizer(cfg, TOTAL, params, step=0)
     assert optim.rebuild_steps(cfg) == (3,) and optim.rebuild_steps(OPTIM) == ()
@@ -245,7 +245,7 @@ def test_transfer_state_across_layouts_by_path():
     params = make_tree()
     plain, _ = optim.make_optimizer(OPTIM, TOTAL, params)
     _, s_plain = run_updates(plain, params, steps=2)
-    locked_cfg = {**OPTIM, "lock": "^text/", "layer_decay": 0.7}
+    locked_cfg = {**OPTIM, "locked": "^text/", "layer_decay": 0.7}
     tx, _ = optim.make_optimizer(locked_cfg, TOTAL, params)
     s = optim.transfer_state(s_plain, tx, params)
     adam = s[0].inner_states["adam"].inner_state
@@ -271,7 +271,7 @@ def test_tree_map_params_shards_partitioned_state():
     param_sh = jax.tree.map(lambda x: NamedSharding(mesh, P("data") if x.ndim >= 2 and x.shape[0] % 2 == 0 else P()),
                             abstract)
     replicated = NamedSharding(mesh, P())
-    cfg = {**OPTIM, "lock": "^visual/transformer/", "groups": (dict(pattern="^text/", lr_mult=0.5),)}
+    cfg = {**OPTIM, "locked": "^visual/transformer/", "groups": (dict(pattern="^text/", lr_mult=0.5),)}
     for tx in (optim.make_optimizer(OPTIM, TOTAL)[0], optim.make_optimizer(cfg, TOTAL, abstract)[0]):
         abstract_opt = jax.eval_shape(tx.init, abstract)
         opt_sh = optim.tree_map_params(tx, lambda _, s: s, abstract_opt, param_sh,
@@ -293,7 +293,7 @@ def test_works_on_the_model_parameter_tree():
     from prolip_jax.models import abstract_params, get_config
 
     params = abstract_params(get_config("micro"))
-    cfg = {**OPTIM, "lock": ("^visual/",), "unlock_step": 5, "layer_decay": 0.7,
+    cfg = {**OPTIM, "locked": ("^visual/",), "unlock_step": 5, "layer_decay": 0.7,
            "groups": (dict(pattern="^text/transformer/", lr_mult=0.1),)}
     tx, _ = optim.make_optimizer(cfg, TOTAL, params)
     state = jax.eval_shape(tx.init, params)
@@ -309,10 +309,10 @@ def test_works_on_the_model_parameter_tree():
 
 # ------------------------------------------------------------------------------ validation
 @pytest.mark.parametrize("extra, message", [
-    (dict(lock=("^vision/",)), r"optim.lock pattern '\^vision/' matches no parameter \(parameters look like: "),
-    (dict(lock=("visual/(",)), r"optim.lock: 'visual/\(' is not a valid regular expression"),
-    (dict(lock=(".",)), "locks every parameter"),
-    (dict(lock=("",)), "non-empty string"),
+    (dict(locked=("^vision/",)), r"optim.locked pattern '\^vision/' matches no parameter \(parameters look like: "),
+    (dict(locked=("visual/(",)), r"optim.locked: 'visual/\(' is not a valid regular expression"),
+    (dict(locked=(".",)), "locks every parameter"),
+    (dict(locked=("",)), "non-empty string"),
     (dict(groups=(dict(pattern="^txt/", lr_mult=0.1),)), r"optim.groups\[0\] pattern '\^txt/' matches no parameter"),
     (dict(groups=(dict(pattern="[", lr_mult=0.1),)), r"optim.groups\[0\].pattern: '\[' is not a valid regular"),
     (dict(groups=(dict(pattern="^text/", lr_mult=-0.1),)), r"optim.groups\[0\].lr_mult must be a finite number >= 0"),
@@ -320,8 +320,8 @@ def test_works_on_the_model_parameter_tree():
     (dict(groups=(dict(pattern="^text/", lr=0.1),)), r"optim.groups\[0\] has keys \['lr', 'pattern'\]"),
     (dict(groups=("^text/",)), r"optim.groups\[0\] must be a dict"),
     (dict(layer_decay=0.0), "optim.layer_decay must be a number > 0"),
-    (dict(unlock_step=5), "optim.unlock_step=5 has no effect without optim.lock"),
-    (dict(lock="^text/", unlock_step=-1), "optim.unlock_step must be an integer >= 0"),
+    (dict(unlock_step=5), "optim.unlock_step=5 has no effect without optim.locked"),
+    (dict(locked="^text/", unlock_step=-1), "optim.unlock_step must be an integer >= 0"),
 ])
 def test_bad_settings_are_refused_with_one_line(extra, message):
     params = make_tree()
@@ -341,7 +341,7 @@ def test_partitioned_state_round_trips_through_orbax(tmp_path):
     import orbax.checkpoint as ocp
 
     params = make_tree()
-    tx, _ = optim.make_optimizer({**OPTIM, "lock": "^visual/", "layer_decay": 0.5}, TOTAL, params)
+    tx, _ = optim.make_optimizer({**OPTIM, "locked": "^visual/", "layer_decay": 0.5}, TOTAL, params)
     _, state = run_updates(tx, params, steps=2)
     with ocp.CheckpointManager(tmp_path) as mngr:
         mngr.save(2, args=ocp.args.Composite(opt_state=ocp.args.StandardSave(state)))
@@ -358,7 +358,7 @@ def test_config_dict_fields():
     import ml_collections as mlc
 
     c = mlc.ConfigDict({**OPTIM, **optim.FINETUNE_DEFAULTS})
-    c.lock = ("^visual/",)
+    c.locked = ("^visual/",)  # not `lock`: that is a ConfigDict method
     c.groups = (dict(pattern="^text/", lr_mult=0.1),)
     assert optim.finetune_config(c) == optim.finetune_config(c.to_dict()) == optim.Finetune(
         ("^visual/",), 0, (dict(pattern="^text/", lr_mult=0.1),), 1.0)
