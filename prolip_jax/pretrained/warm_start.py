@@ -168,7 +168,8 @@ def prepare(init_cfg: Mapping[str, Any] | None, target: ProLIPConfig, param_shap
 
     src_config, src_params, imported = load_pretrained(cfg["path"], format=cfg["format"], arch=cfg["arch"] or None)
     absent = tuple(imported.filled)
-    _check(_flatten(param_shapes, as_array=False), {k: v for k, v in _flatten(src_params).items() if k not in absent})
+    check_fit(target, param_shapes, src_config, {k: v for k, v in _flatten(src_params).items() if k not in absent},
+              int(cfg["text_pos_keep"]))
 
     def apply(fresh_params: Mapping[str, Any]) -> tuple[dict, WarmStartReport]:
         return warm_start(target, fresh_params, src_config, src_params, source_absent=absent,
@@ -176,6 +177,13 @@ def prepare(init_cfg: Mapping[str, Any] | None, target: ProLIPConfig, param_shap
                           source=imported.source, format=imported.format)
 
     return apply
+
+
+def check_fit(target: ProLIPConfig, param_shapes: Mapping[str, Any], source_config: ProLIPConfig,
+              source_shapes: Mapping[str, Any], text_pos_keep: int = DEFAULTS["text_pos_keep"]) -> None:
+    """Raises the ValueError `warm_start` would raise, from shapes alone (anything with `.shape`)."""
+    _check(_flatten(param_shapes, as_array=False), _flatten(source_shapes, as_array=False))
+    _check_text_keep(target, source_config, text_pos_keep)
 
 
 def warm_start(target: ProLIPConfig, fresh_params: Mapping[str, Any], source_config: ProLIPConfig,
@@ -296,9 +304,7 @@ def _text_positions(target: ProLIPConfig, init: np.ndarray, source: ProLIPConfig
     notes = []
     if ls != lt:
         k = min(keep, lt)
-        if k >= ls and lt > ls:
-            raise ValueError(f"text positions {ls} -> {lt}: init.text_pos_keep={keep} keeps every source row and "
-                             f"leaves none to interpolate; set it below {ls}")
+        _check_text_keep(target, source, keep)
         rest = linear_matrix(ls - k, lt - k) @ tokens[k:] if lt > k else tokens[:0]
         tokens = np.concatenate([tokens[:k], rest])
         notes.append(f"context {ls} -> {lt} (first {k} kept, the rest linear)")
@@ -311,6 +317,13 @@ def _text_positions(target: ProLIPConfig, init: np.ndarray, source: ProLIPConfig
         notes.append("UNC/CLS rows dropped")
     same = (ls, s_extra) == (lt, t_extra)
     return new.astype(np.float32), "loaded" if same else "resized", "" if same else "; ".join(notes)
+
+
+def _check_text_keep(target: ProLIPConfig, source: ProLIPConfig, keep: int) -> None:
+    ls, lt = source.text.context_length, target.text.context_length
+    if lt > ls and min(keep, lt) >= ls:
+        raise ValueError(f"text positions {ls} -> {lt}: init.text_pos_keep={keep} keeps every source row and "
+                         f"leaves none to interpolate; set it below {ls}")
 
 
 def _token_embedding(init: np.ndarray, old: np.ndarray, pad: str):
