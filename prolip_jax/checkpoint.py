@@ -184,3 +184,50 @@ def restore_data_state(directory: str | os.PathLike, data: Any) -> None:
             f"saved process, but {', '.join(f'process_{i}-of-{saved}.json' for i in missing)} "
             f"{'is' if len(missing) == 1 else 'are'} missing from {directory}.")
     data.set_states([json.loads(files[i, saved].read_text()) for i in range(saved)])
+
+
+# ----------------------------------------------------------------------------------------
+# The best checkpoint by an evaluation metric (the reference's `--save-best-unc`).
+# ----------------------------------------------------------------------------------------
+# `config.keep_best` knobs. The reference (naver-ai/prolip src/prolip_train/main.py,
+# `--save-best-unc`) keeps the checkpoint whose uncertainty-vs-accuracy bin correlation is the
+# most negative, starting from 0 (`prev_best_unc > unc`): metric = a zeroshot evaluator's
+# "unc_corr_csd", mode "min", baseline 0.
+KEEP_BEST_DEFAULTS = dict(
+    metric="",  # a logged metric name, e.g. "eval/zeroshot/imagenet/unc_corr_csd"; "" = off
+    mode="min",  # "min" or "max": which direction is better
+    baseline=0.0,  # a value must beat this (and every earlier one) to be kept
+)
+
+
+class BestKeeper:
+    """Keeps `WORKDIR/best/<step>` (params + config, as `save_params` writes), the step whose
+    `metric` was best so far; the value survives restarts (it is read back from the config item)."""
+
+    def __init__(self, directory: str | os.PathLike, settings: Mapping[str, Any], model_config: ProLIPConfig):
+        self.metric, self.mode = settings["metric"], settings["mode"]
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"config.keep_best.mode={self.mode!r} is not 'min' or 'max'")
+        self.model_config = model_config
+        self.mngr = ocp.CheckpointManager(Path(directory).absolute(), item_names=(PARAMS, CONFIG),
+                                          options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
+        self.best = float(settings["baseline"])
+        step = self.mngr.latest_step()
+        if step is not None:
+            meta = self.mngr.restore(step, args=ocp.args.Composite(**{CONFIG: ocp.args.JsonRestore()}))[CONFIG]
+            self.best = float(meta["best"]["value"])
+
+    def offer(self, step: int, value: float, params: Any) -> bool:
+        """Saves `params` if `value` beats the best so far; True if it did."""
+        better = value < self.best if self.mode == "min" else value > self.best
+        if not better:  # NaN is never better
+            return False
+        self.best = float(value)
+        meta = {"model": self.model_config.to_dict(), "best": {"metric": self.metric, "value": self.best, "step": step}}
+        self.mngr.save(step, args=ocp.args.Composite(**{PARAMS: ocp.args.StandardSave(params),
+                                                        CONFIG: ocp.args.JsonSave(meta)}), force=True)
+        self.mngr.wait_until_finished()
+        return True
+
+    def close(self) -> None:
+        self.mngr.close()

@@ -66,7 +66,7 @@ def step_config(config) -> step_lib.StepConfig:
 FIELDS = {
     "": {"seed", "total_steps", "batch_size", "model", "data", "loss", "masking", "optim", "microbatches",
          "mesh", "sharding_rules", "log_steps", "checkpoint_steps", "keep_checkpoints",
-         "max_nonfinite_in_a_row", "evals", "init"},
+         "max_nonfinite_in_a_row", "evals", "init", "keep_best"},
     "model": {"variant", "config_json", "dtype", "remat", "attention_impl", "init_logit_scale"},
     "loss": {"ppcl_weight", "vib_beta", "alpha_image_text", "alpha_masked", "inclusion_eps", "inclusion_scale",
              "vib_form", "ppcl_impl"},
@@ -75,6 +75,7 @@ FIELDS = {
               *optim.FINETUNE_DEFAULTS},  # lock, unlock_step, groups, layer_decay: fine-tuning controls
     "mesh": {"shape", "axes"},
     "init": set(warm_start.DEFAULTS),  # a pretrained model to start from (prolip_jax/pretrained/warm_start.py)
+    "keep_best": set(ckpt_lib.KEEP_BEST_DEFAULTS),  # the best checkpoint by a metric (prolip_jax/checkpoint.py)
 }
 
 
@@ -97,6 +98,7 @@ CHOICES = {
     ("loss", "ppcl_impl"): ("dense", "ring"),
     ("loss", "vib_form"): losses.VIB_FORMS,
     ("data", "source"): ("random", *DATA_SOURCES),
+    ("keep_best", "mode"): ("min", "max"),
 }
 
 
@@ -264,6 +266,9 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
     rebuild_at = optim.rebuild_steps(config.optim.to_dict())
 
     evaluators = build_evaluators(config, model)
+    best = ckpt_lib.BestKeeper(workdir / "best", config.keep_best, mcfg) if config.keep_best.metric else None
+    evaluated: set[str] = set()  # evaluators that have run at least once, and every metric logged:
+    logged: set[str] = set()  # keep_best's metric must be among them
 
     # ---- What the user sees ----------------------------------------------------------------
     writer = MetricWriter(str(workdir), config.total_steps, is_chief=is_chief, resume_step=start + 1)
@@ -340,6 +345,15 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
                     t_eval = time.time()
                     values.update({settings["prefix"] + k: v for k, v in evaluator.run(state.params)})
                     t_log += time.time() - t_eval  # evaluation time is not training step time
+                    evaluated.add(settings["name"])
+            logged.update(values)
+            if best is not None and best.metric in values:
+                if best.offer(step, float(values[best.metric]), state.params) and is_chief:
+                    print(f"step {step}: best {best.metric} so far ({values[best.metric]:.4g}), kept in "
+                          f"{workdir / 'best'}", flush=True)
+            elif best is not None and len(evaluated) == len(evaluators) and values and best.metric not in logged:
+                raise ValueError(f"config.keep_best.metric={best.metric!r} is not a logged metric; the metrics "
+                                 f"are: {', '.join(sorted(logged))}")
             if values:
                 writer.write(step, values)
                 last_metrics = values
@@ -363,6 +377,8 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
         mngr.close()
         writer.close()
         data.close()
+        if best is not None:
+            best.close()
 
 
 # =====================================================================================
@@ -370,7 +386,8 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
 # =====================================================================================
 def with_defaults(config):
     """`config` with the sections and fields it leaves out set to the defaults declared beside
-    the code that uses them: `init` (warm_start.DEFAULTS), the fine-tuning controls of `optim`
+    the code that uses them: `init` (warm_start.DEFAULTS), `keep_best` (checkpoint.KEEP_BEST_DEFAULTS),
+    the fine-tuning controls of `optim`
     (optim.FINETUNE_DEFAULTS) and every field of
     input_pipeline.DataConfig, so `--config.<section>.<any field>=...` works (None defaults
     become typed placeholders: ml_collections cannot override a plain None)."""
@@ -385,6 +402,8 @@ def with_defaults(config):
     with config.unlocked():
         if "init" not in config:
             config.init = dict(warm_start.DEFAULTS)
+        if "keep_best" not in config:
+            config.keep_best = dict(ckpt_lib.KEEP_BEST_DEFAULTS)
         for key, value in optim.FINETUNE_DEFAULTS.items():
             if key not in config.optim:
                 config.optim[key] = value

@@ -50,7 +50,9 @@ def runs(tmp_path_factory):
     cfg = tiny_config(tmp)
     # In-training evaluation (big_vision style), every 3 steps.
     cfg.evals.zs = dict(type="zeroshot", log_steps=3, prefix="eval/", dataset="demo", task="object",
-                        demo=dict(cfg.data.demo))
+                        demo=dict(cfg.data.demo), name="object")
+    # The best step by top-1 (any metric works; the reference's --save-best-unc is unc_corr_csd, "min").
+    cfg.keep_best = dict(metric="eval/zeroshot/object/top1_csd", mode="max", baseline=-1.0)
     straight = train.train(cfg, str(tmp / "straight"))
     interrupted = train.train(tiny_config(tmp), str(tmp / "resumed"), stop_at_step=N)
     resumed = train.train(tiny_config(tmp), str(tmp / "resumed"))
@@ -89,6 +91,28 @@ def test_metrics_contents(runs):
     assert sorted(evals) == [3, 6] and all(0.0 <= v <= 1.0 for v in evals.values())
     assert any((tmp / "straight" / "tb").iterdir())
     assert all(np.isfinite(r["loss"]) for r in rows)
+
+
+def test_best_checkpoint_by_a_metric(runs):
+    tmp, *_ = runs
+    top1 = {r["step"]: r["eval/zeroshot/object/top1_csd"] for r in read_jsonl(str(tmp / "straight" / "metrics.jsonl"))
+            if "eval/zeroshot/object/top1_csd" in r}
+    best_step = 3 if top1[3] >= top1[6] else 6  # the first of equal values is kept (strictly better only)
+    params, meta, step = checkpoint.load_params(tmp / "straight" / "best")
+    assert step == best_step and sorted(p.name for p in (tmp / "straight" / "best").iterdir()) == [str(best_step)]
+    _, meta, _ = checkpoint.load_config(tmp / "straight" / "best")
+    assert meta["best"] == {"metric": "eval/zeroshot/object/top1_csd", "value": pytest.approx(top1[best_step]),
+                            "step": best_step}
+    if best_step == 6:  # the last step's params are the final checkpoint's
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), _params(tmp / "straight")[0])
+
+
+def test_keep_best_of_a_metric_nobody_logs_is_an_error(tmp_path):
+    cfg = tiny_config(tmp_path, **{"data.source": "random", "total_steps": 2})
+    cfg.keep_best = dict(metric="eval/zeroshot/imagenet/unc_corr_csd", mode="min", baseline=0.0)
+    with pytest.raises(ValueError, match=r"keep_best.metric='eval/zeroshot/imagenet/unc_corr_csd' is not a "
+                                         r"logged metric; the metrics are: .*loss/ppcl"):
+        train.train(cfg, str(tmp_path / "w"))
 
 
 def test_checkpoint_loads_as_a_model(runs):
