@@ -34,6 +34,13 @@ def _run_main(args, workdir):
     (["--config", TINY, "--config.model.variant=B/17"], r"unknown model variant 'B/17'"),
     (["--config", TINY, "--config.data.source=tar", "--config.data.path=/nowhere/{0..1}.tar"],
      r"needs data\.tokenizer\.path"),
+    (["--config", TINY, "--config.optim.locked=('^vision/',)"],
+     r"optim\.locked pattern '\^vision/' matches no parameter \(parameters look like: "),
+    (["--config", TINY, "--config.init.path=/nowhere/model.safetensors"], r"/nowhere/model\.safetensors"),
+    (["--config", TINY, f"--config.init.path={ROOT}/tests/data/pretrained/openai_clip_tiny"],
+     r"warm start: \d+ parameter\(s\) of the source do not fit the target model.*text/ln_final/bias: target \(64,\), "
+     r"source \(40,\)"),
+    (["--config", TINY, "--config.keep_best.mode=best"], r"config\.keep_best\.mode='best' is not one of"),
 ])
 def test_bad_command_is_one_line_exit_2_nothing_created(tmp_path, capsys, args, expected):
     import re
