@@ -62,3 +62,18 @@ class KeyTokenizer:
         out = np.ones((len(texts), 4), np.int32)
         out[:, 0] = [int(t.split()[0]) for t in texts]
         return out
+
+
+# Tar shards of keyed JPEG records and the same records as ArrayRecord (pipeline and resume tests).
+NUM_SHARDS, PER_SHARD = 8, 12
+ALL_KEYS = {s * 10_000 + i for s in range(NUM_SHARDS) for i in range(PER_SHARD)}
+
+
+def make_shard_data(root: Path, width: int, height: int) -> dict[str, str]:
+    """{"tar": brace pattern, "array_record": glob} of NUM_SHARDS x PER_SHARD records under root."""
+    from input_pipeline import convert_tar, synthetic
+
+    synthetic.make_jpeg_shards(str(root / "tar"), NUM_SHARDS, PER_SHARD, width, height, seed=1)
+    convert_tar.convert(str(root / "tar" / "*.tar"), str(root / "ar"), progress=False)
+    return {"tar": str(root / "tar" / f"{{00000..{NUM_SHARDS - 1:05d}}}.tar"),
+            "array_record": str(root / "ar" / "*.array_record")}

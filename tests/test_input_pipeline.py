@@ -4,25 +4,17 @@ import json
 import numpy as np
 import pytest
 
-from input_pipeline import convert_tar, pipeline, synthetic, transforms
+from input_pipeline import pipeline, transforms
 from input_pipeline.paths import expand_braces, expand_paths
-from conftest import KeyTokenizer
+from conftest import ALL_KEYS, NUM_SHARDS, PER_SHARD, KeyTokenizer, make_shard_data
 
-NUM_SHARDS, PER_SHARD = 8, 12
 N = NUM_SHARDS * PER_SHARD
-
-
 TOK = KeyTokenizer()
-ALL_KEYS = {s * 10_000 + i for s in range(NUM_SHARDS) for i in range(PER_SHARD)}
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("input_data")
-    synthetic.make_jpeg_shards(str(root / "tar"), NUM_SHARDS, PER_SHARD, 40, 32, seed=1)
-    convert_tar.convert(str(root / "tar" / "*.tar"), str(root / "ar"), progress=False)
-    return {"tar": str(root / "tar" / f"{{00000..{NUM_SHARDS - 1:05d}}}.tar"),
-            "array_record": str(root / "ar" / "*.array_record")}
+    return make_shard_data(tmp_path_factory.mktemp("input_data"), 40, 32)
 
 
 def _config(data, source, **kw):

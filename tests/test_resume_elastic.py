@@ -4,25 +4,18 @@ are re-dealt and the cost is counted; the trainer does it from its checkpoints."
 import json
 import logging
 
-import numpy as np
 import pytest
 
-from input_pipeline import convert_tar, pipeline, synthetic
-from conftest import KeyTokenizer
+from input_pipeline import pipeline
+from conftest import ALL_KEYS, NUM_SHARDS, PER_SHARD, KeyTokenizer, make_shard_data
 
-NUM_SHARDS, PER_SHARD = 8, 12
 N = NUM_SHARDS * PER_SHARD
 TOK = KeyTokenizer()
-ALL_KEYS = {s * 10_000 + i for s in range(NUM_SHARDS) for i in range(PER_SHARD)}
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("elastic_data")
-    synthetic.make_jpeg_shards(str(root / "tar"), NUM_SHARDS, PER_SHARD, 24, 20, seed=1)
-    convert_tar.convert(str(root / "tar" / "*.tar"), str(root / "ar"), progress=False)
-    return {"tar": str(root / "tar" / f"{{00000..{NUM_SHARDS - 1:05d}}}.tar"),
-            "array_record": str(root / "ar" / "*.array_record")}
+    return make_shard_data(tmp_path_factory.mktemp("elastic_data"), 24, 20)
 
 
 def _cfg(data, source, **kw):
