@@ -100,7 +100,8 @@ def test_two_processes_equal_one(tmp_path):
     for k, v in eb.items():
         assert ea[k] == pytest.approx(v, rel=1e-3, abs=1e-6), k
 
-    # (Restoring onto another device count or mesh: tests/test_train.py::test_restore_onto_another_mesh.)
+    # (Restoring onto another mesh: tests/test_train.py::test_restore_onto_another_mesh; onto another
+    # device and process count: tests/test_resume_elastic.py, 2 -> 1 -> 2 processes.)
 
 
 def test_sigterm_saves_and_exits_cleanly(tmp_path):
