@@ -326,3 +326,59 @@ def tfds_captions(tfds_name: str = "coco_captions", split: str = "test",
     return EvalSet("coco" if "coco" in tfds_name else tfds_name, _Records(len(src), _Tfds(src)),
                    captions, np.asarray(cap_img, np.int64),
                    {"image_ids": np.asarray(image_ids), "caption_ids": np.asarray(cap_ids)})
+
+
+# ------------------------------------------------------------------------------ HierarCaps
+HIERARCAPS_LEVELS = 4
+
+
+def hierarcaps(csv_path: str, image_dir: str, limit: int = 0) -> EvalSet:
+    """The HierarCaps test set (Alper & Averbuch-Elor 2024; github.com/TAU-VAILab/hierarcaps,
+    data/hierarcaps_test.csv): a CSV with header `id,captions,image_url`, `captions` the four
+    levels general -> specific joined by "=>" (level 3 is the original COCO caption), and
+    `image_url` a COCO val2014 URL (.../COCO_val2014_000000301718.jpg).
+
+    Images are found in `image_dir` by the URL's file name (COCO_val2014_*.jpg, as the ProLIP
+    reference), else by the COCO 2017 name <id:012d>.jpg (the same val images). One record per
+    CSV row (a COCO image may appear in several rows, as in the reference's evaluation).
+    captions: 4 per record, level-major within a record; info: levels=4, ids, image_ids.
+    """
+    import csv
+
+    if not os.path.isfile(csv_path):
+        raise FileNotFoundError(f"HierarCaps CSV {csv_path!r} does not exist (hierarcaps_test.csv "
+                                "from github.com/TAU-VAILab/hierarcaps, data/)")
+    if not os.path.isdir(image_dir):
+        raise FileNotFoundError(f"HierarCaps image_dir {image_dir!r} does not exist (COCO val2014 "
+                                "or val2017 images)")
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows or not {"captions", "image_url"} <= set(rows[0]):
+        raise ValueError(f"{csv_path}: expected a CSV with columns id,captions,image_url")
+    if limit:
+        rows = rows[:limit]
+    paths, captions, ids, image_ids, missing = [], [], [], [], []
+    for n, row in enumerate(rows):
+        levels = [c.strip() for c in row["captions"].split("=>")]
+        if len(levels) != HIERARCAPS_LEVELS or not all(levels):
+            raise ValueError(f"{csv_path} row {n}: {len(levels)} caption levels, expected "
+                             f"{HIERARCAPS_LEVELS} non-empty ones joined by '=>'")
+        name = row["image_url"].rstrip("/").split("/")[-1]
+        match = re.search(r"(\d+)\.\w+$", name)
+        image_id = int(match.group(1)) if match else -1
+        path = next((p for p in (os.path.join(image_dir, name),
+                                 os.path.join(image_dir, f"{image_id:012d}.jpg"))
+                     if os.path.isfile(p)), None)
+        if path is None:
+            missing.append(name)
+        paths.append(path)
+        captions += levels
+        ids.append(row.get("id", str(n)))
+        image_ids.append(image_id)
+    if missing:
+        raise FileNotFoundError(f"HierarCaps: {len(missing)} of {len(rows)} images not in "
+                                f"{image_dir!r} (e.g. {missing[0]}; also tried <id:012d>.jpg)")
+    info = {"levels": HIERARCAPS_LEVELS, "ids": ids, "image_ids": np.asarray(image_ids, np.int64),
+            "captions_per_record": HIERARCAPS_LEVELS}
+    return EvalSet("hierarcaps", _Records(len(paths), _Files(paths)), captions,
+                   np.repeat(np.arange(len(paths)), HIERARCAPS_LEVELS), info)
