@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Protocol
 
-from evaluators import hierarcaps, retrieval, uncertainty, zeroshot
+from evaluators import hierarcaps, retrieval, suite, uncertainty, zeroshot
 
 
 class Evaluator(Protocol):
@@ -30,6 +30,7 @@ REGISTRY: dict[str, type] = {
     "prompt_reweighting": zeroshot.BPRWEvaluator,
     "retrieval": retrieval.Evaluator,
     "uncertainty": uncertainty.Evaluator,
+    "datacomp38": suite.Evaluator,
     "hierarcaps": hierarcaps.Evaluator,
 }
 

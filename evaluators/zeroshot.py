@@ -129,6 +129,47 @@ def topk_accuracy(logits: np.ndarray, labels: np.ndarray, k: int) -> float:
     return float(np.mean(topk_correct(logits, labels, k)))
 
 
+# Metrics of DataComp's suite (evaluators/suite.py): `pred` = top-1 class, `labels` = truth.
+def mean_per_class_recall(pred: np.ndarray, labels: np.ndarray) -> float:
+    """Mean over the classes present in `labels` of the fraction of their images predicted
+    right (sklearn balanced_accuracy_score, as DataComp's eval_utils/wds_eval.py computes it)."""
+    pred, labels = np.asarray(pred), np.asarray(labels)
+    return float(np.mean([np.mean(pred[labels == c] == c) for c in np.unique(labels)]))
+
+
+def macro_f1(pred: np.ndarray, labels: np.ndarray) -> float:
+    """Mean F1 over the classes present in `labels` (WILDS F1(average="macro"), DataComp's
+    iWildCam "F1-macro_all"); a class never predicted has precision 0, and F1 0 if p + r = 0."""
+    pred, labels = np.asarray(pred), np.asarray(labels)
+    f1 = []
+    for c in np.unique(labels):
+        tp = np.sum((pred == c) & (labels == c))
+        p = tp / max(1, np.sum(pred == c))
+        r = tp / np.sum(labels == c)
+        f1.append(0.0 if p + r == 0 else 2 * p * r / (p + r))
+    return float(np.mean(f1))
+
+
+def worst_group_accuracy(correct: np.ndarray, groups: np.ndarray, exclude: Sequence[int] = ()
+                         ) -> float:
+    """Lowest mean of `correct` over the groups that have items, `exclude`d groups left out
+    (WILDS worst-group metrics: DataComp's FMoW acc_worst_region without "Other", GeoDE
+    acc_wg, Dollar Street acc_top5_wg with top-5 `correct`)."""
+    correct, groups = np.asarray(correct, np.float64), np.asarray(groups)
+    keep = [g for g in np.unique(groups) if g not in set(exclude)]
+    if not keep:
+        raise ValueError("worst_group_accuracy: no group left")
+    return float(min(np.mean(correct[groups == g]) for g in keep))
+
+
+def predictions(image_mu: np.ndarray, class_mu: np.ndarray, class_sigma2: np.ndarray,
+                kind: str, block: int = 4096) -> np.ndarray:
+    """Top-1 class [N] (the lowest index among ties, as np.argmax), in image blocks."""
+    return np.concatenate([
+        np.argmax(zeroshot_logits(image_mu[s:s + block], class_mu, class_sigma2, kind), 1)
+        for s in range(0, len(image_mu), block)] or [np.zeros(0, int)])
+
+
 def ranks(image_mu: np.ndarray, labels: np.ndarray, class_mu: np.ndarray,
           class_sigma2: np.ndarray, kind: str, block: int = 4096) -> np.ndarray:
     """True-label rank [N] in image blocks, so N x C logits never sit in memory at once."""

@@ -103,12 +103,16 @@ class _Arrays:
 
 
 class _Tfds:
-    def __init__(self, src: Any, image_key: str = "image", label_key: str | None = None):
+    def __init__(self, src: Any, image_key: str = "image", label_key: str | None = None,
+                 label_map: Sequence[int] | None = None):
         self.src, self.image_key, self.label_key = src, image_key, label_key
+        self.label_map = None if label_map is None else np.asarray(label_map, np.int64)
 
     def __call__(self, i: int) -> dict[str, Any]:
         ex = self.src[i]
         label = int(ex[self.label_key]) if self.label_key else None
+        if label is not None and self.label_map is not None:
+            label = int(self.label_map[label])   # -1: not in the subset (a mismatch upstream)
         return {"image": ex[self.image_key], "txt": f"tfds #{i}", "key": f"tfds #{i}",
                 "label": label}
 
@@ -172,13 +176,18 @@ def read_class_index(path: str) -> dict[str, int]:
     return {str(k): int(v) for k, v in raw.items()}
 
 
-def imagefolder_files(root: str, split: str, class_index: str = "") -> tuple[list[str], np.ndarray]:
-    """(image paths, labels int32 [N]) of <root>/<split>/<class_dir>/*.<image extension>."""
+def imagefolder_files(root: str, split: str, class_index: str | Mapping[str, int] = ""
+                      ) -> tuple[list[str], np.ndarray]:
+    """(image paths, labels int32 [N]) of <root>/<split>/<class_dir>/*.<image extension>.
+    class_index: a file (see read_class_index), a {class_dir: index} mapping, or "" (sorted)."""
     base = os.path.join(root, split)
     if not os.path.isdir(base):
         raise FileNotFoundError(f"ImageFolder split directory {base!r} does not exist")
     dirs = sorted(d for d in os.listdir(base) if os.path.isdir(os.path.join(base, d)))
-    index = read_class_index(class_index) if class_index else {d: i for i, d in enumerate(dirs)}
+    if isinstance(class_index, Mapping):
+        index = dict(class_index)
+    else:
+        index = read_class_index(class_index) if class_index else {d: i for i, d in enumerate(dirs)}
     unknown = [d for d in dirs if d not in index]
     if unknown:
         raise ValueError(f"class dirs {unknown[:5]} of {base!r} are not in the class index")
@@ -193,17 +202,20 @@ def imagefolder_files(root: str, split: str, class_index: str = "") -> tuple[lis
     return files, np.asarray(labels, np.int32)
 
 
-def imagefolder(root: str, split: str = "val", class_index: str = "", name: str = "imagenet",
-                limit: int = 0) -> EvalSet:
+def imagefolder(root: str, split: str = "val", class_index: str | Mapping[str, int] = "",
+                name: str = "imagenet", limit: int = 0) -> EvalSet:
+    """info["labels"]: int32 [N] (known up front, like the other classification sets)."""
     files, labels = imagefolder_files(root, split, class_index)
     n = min(limit, len(files)) if limit else len(files)
-    return EvalSet(name, _Records(n, _Files(files, labels)))
+    return EvalSet(name, _Records(n, _Files(files, labels)), info={"labels": labels[:n]})
 
 
 def tfds_classification(tfds_name: str = "imagenet2012", split: str = "validation",
-                        data_dir: str | None = None, name: str = "imagenet", limit: int = 0
-                        ) -> EvalSet:
-    """A tfds classification set prepared as array_record (images stay encoded until read)."""
+                        data_dir: str | None = None, name: str = "imagenet", limit: int = 0,
+                        label_map: Sequence[int] | None = None) -> EvalSet:
+    """A tfds classification set prepared as array_record (images stay encoded until read).
+    label_map: tfds label -> label (e.g. ImageNet-1k index -> index in a 200-class subset).
+    info["num_classes"]: the tfds label feature's number of classes, when it has one."""
     try:
         import tensorflow_datasets as tfds
     except ImportError as e:
@@ -217,7 +229,13 @@ def tfds_classification(tfds_name: str = "imagenet2012", split: str = "validatio
         raise FileNotFoundError(f"tfds {tfds_name} ({split}) is not prepared under "
                                 f"{data_dir or 'the default data_dir'}: {e}") from e
     n = min(limit, len(src)) if limit else len(src)
-    return EvalSet(name, _Records(n, _Tfds(src, label_key="label")))
+    info: dict[str, Any] = {}
+    try:
+        info["num_classes"] = int(src.dataset_info.features["label"].num_classes)
+    except Exception:  # pylint: disable=broad-except  (no label feature info: not checked)
+        pass
+    reader = _Tfds(src, label_key="label", label_map=label_map)
+    return EvalSet(name, _Records(n, reader), info=info)
 
 
 def arrays(images: np.ndarray, name: str) -> EvalSet:
@@ -382,3 +400,102 @@ def hierarcaps(csv_path: str, image_dir: str, limit: int = 0) -> EvalSet:
             "captions_per_record": HIERARCAPS_LEVELS}
     return EvalSet("hierarcaps", _Records(len(paths), _Files(paths)), captions,
                    np.repeat(np.arange(len(paths)), HIERARCAPS_LEVELS), info)
+
+
+# ------------------------------------------------------------------------------ clip_benchmark webdataset
+WDS_IMAGE_EXTS = ("webp", "png", "jpg", "jpeg")   # clip_benchmark build_wds_dataset's order
+
+
+class _TarImages:
+    """records[i] -> the image bytes of sample i, read at (shard, offset, size)."""
+
+    def __init__(self, where: Sequence[tuple[str, int, int]], labels: Sequence[int] | None):
+        self.where, self.labels = list(where), labels
+
+    def __call__(self, i: int) -> dict[str, Any]:
+        path, offset, size = self.where[i]
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(size)
+        label = None if self.labels is None else int(self.labels[i])
+        return {"image": data, "txt": f"{path}#{i}", "key": f"{path}#{i}", "label": label}
+
+
+def _wds_shards(split_dir: str) -> list[str]:
+    """<split>/0.tar ... (n-1).tar from nshards.txt, else every *.tar in numeric/name order."""
+    nshards = os.path.join(split_dir, "nshards.txt")
+    if os.path.exists(nshards):
+        with open(nshards) as f:
+            return [os.path.join(split_dir, f"{i}.tar") for i in range(int(f.read().strip()))]
+    names = [n for n in os.listdir(split_dir) if n.endswith(".tar")]
+    key = lambda n: (0, int(n[:-4]), n) if n[:-4].isdigit() else (1, 0, n)
+    return [os.path.join(split_dir, n) for n in sorted(names, key=key)]
+
+
+def read_lines(path: str) -> list[str] | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return [line.strip() for line in f.read().splitlines() if line.strip()]
+
+
+def webdataset(folder: str, split: str = "test", name: str | None = None) -> EvalSet:
+    """A clip_benchmark / DataComp webdataset folder, read locally with random access:
+
+        folder/<split>/{nshards.txt, 0.tar, 1.tar, ...}   samples <key>.{webp|png|jpg|jpeg}
+                                                          + <key>.cls (label) | <key>.txt (captions)
+                                                          [+ <key>.npy (metadata row, WILDS)]
+        folder/classnames.txt, zeroshot_classification_templates.txt, [dataset_type.txt]
+
+    (the layout of clip_benchmark `build_wds_dataset` and of DataComp's download_evalsets.py).
+    Every shard's headers are read once to index the samples; images stay encoded until read.
+    info: dataset_type ("classification" | "retrieval"), classnames / templates (None when the
+    file is absent), labels int64 [N] (classification), metadata [N, k] (when .npy are present).
+    Retrieval folders give captions (one per line of each .txt) and caption_record."""
+    import tarfile
+
+    split_dir = os.path.join(folder, split)
+    if not os.path.isdir(split_dir):
+        raise FileNotFoundError(f"webdataset split directory {split_dir!r} does not exist")
+    shards = _wds_shards(split_dir)
+    missing = [s for s in shards if not os.path.exists(s)]
+    if not shards or missing:
+        raise FileNotFoundError(f"webdataset shards missing under {split_dir!r}: {missing[:3] or 'no .tar'}")
+    kind = (read_lines(os.path.join(folder, "dataset_type.txt")) or ["classification"])[0].lower()
+    samples: dict[str, dict[str, Any]] = {}
+    for shard in shards:
+        with tarfile.open(shard) as tf:
+            for m in tf:
+                if not m.isfile():
+                    continue
+                # webdataset's key: the member path up to the first dot of its basename
+                d, base = os.path.split(m.name)
+                stem, _, ext = base.partition(".")
+                s = samples.setdefault(f"{shard}:{d}/{stem}", {})
+                ext = ext.lower()
+                if ext in WDS_IMAGE_EXTS:
+                    s.setdefault("image", (shard, m.offset_data, m.size))
+                elif ext in ("cls", "txt", "npy"):
+                    s[ext] = tf.extractfile(m).read()
+    rows = [s for s in samples.values() if "image" in s]
+    if not rows:
+        raise FileNotFoundError(f"no images in the webdataset shards under {split_dir!r}")
+    info: dict[str, Any] = {"dataset_type": kind}
+    templates = read_lines(os.path.join(folder, "zeroshot_classification_templates.txt"))
+    info["classnames"] = read_lines(os.path.join(folder, "classnames.txt"))
+    info["templates"] = None if templates is None else [t.replace("{c}", "{}") for t in templates]
+    name = name or os.path.basename(os.path.normpath(folder))
+    where = [s["image"] for s in rows]
+    if kind == "retrieval":
+        per = [s.get("txt", b"").decode().splitlines() for s in rows]
+        return EvalSet(name, _Records(len(rows), _TarImages(where, None)),
+                       [c for p in per for c in p],
+                       np.repeat(np.arange(len(rows)), [len(p) for p in per]), info)
+    if any("cls" not in s for s in rows):
+        raise ValueError(f"webdataset {folder!r}: some samples have no .cls label")
+    labels = np.asarray([int(s["cls"].decode().strip()) for s in rows], np.int64)
+    info["labels"] = labels
+    if all("npy" in s for s in rows):
+        import io
+        info["metadata"] = np.stack([np.load(io.BytesIO(s["npy"])) for s in rows])
+    return EvalSet(name, _Records(len(rows), _TarImages(where, labels)), info=info)

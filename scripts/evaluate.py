@@ -2,6 +2,8 @@
 
     python scripts/evaluate.py --checkpoint CKPT --config configs/eval/demo.py --out DIR
     python scripts/evaluate.py --checkpoint HF_DIR --config configs/eval/demo.py:evals=uncertainty --out DIR
+    python scripts/evaluate.py --checkpoint CKPT --suite datacomp38 --data_dir DATA \
+        --tokenizer sentencepiece:/data/c4_en.model --out DIR     # + DIR/suite.json, suite.md
 
 CKPT is a prolip_jax checkpoint directory or a Hugging Face folder (config.json +
 model.safetensors), loaded with `prolip_jax.load`. The config file defines `get_config(arg)`
@@ -229,7 +231,16 @@ def make_plots(collected: dict[str, dict], kinds: dict[str, str], metrics: dict[
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="prolip_jax CKPT directory or Hugging Face folder")
-    p.add_argument("--config", required=True, help="eval config file[:arg], e.g. configs/eval/demo.py")
+    p.add_argument("--config", default="", help="eval config file[:arg], e.g. configs/eval/demo.py")
+    p.add_argument("--suite", default="", choices=("", "datacomp38"),
+                   help="run a task suite instead of --config (DataComp's 38 tasks; writes suite.json/.md)")
+    p.add_argument("--data_dir", default="", help="--suite: folder holding the tasks' data")
+    p.add_argument("--tfds_data_dir", default="", help="--suite: tfds data_dir (optional source)")
+    p.add_argument("--tasks", default="", help="--suite: comma-separated task ids (default: all)")
+    p.add_argument("--tokenizer", default="",
+                   help="--suite: KIND:PATH for input_pipeline.tokenizers.build_tokenizer "
+                        "(sentencepiece | hf | clip_bpe), e.g. sentencepiece:/data/c4_en.model")
+    p.add_argument("--batch_size", type=int, default=256, help="--suite: images per batch")
     p.add_argument("--out", required=True, help="output directory (results.json, *.png)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--only", default="", help="comma-separated evaluator names to run (default: all)")
@@ -238,11 +249,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no_plots", action="store_true")
     args = p.parse_args(argv)
 
-    config = load_config(args.config)
+    if args.suite:
+        config = suite_config(args)
+    elif not args.config:
+        raise SystemExit("error: give --config or --suite")
+    else:
+        config = load_config(args.config)
     only = args.only.split(",") if args.only else None
     evaluate(args.checkpoint, config, Path(args.out), step=args.step, only=only,
              skip_missing=args.skip_missing, plots=not args.no_plots)
     return 0
+
+
+def suite_config(args: argparse.Namespace) -> Any:
+    """--suite: a one-evaluator config (type "datacomp38", evaluators/suite.py)."""
+    import ml_collections as mlc
+
+    if not args.data_dir:
+        raise SystemExit("error: --suite needs --data_dir")
+    ecfg = dict(type=args.suite, data_dir=args.data_dir, tfds_data_dir=args.tfds_data_dir,
+                batch_size=args.batch_size)
+    if args.tasks:
+        ecfg["tasks"] = args.tasks.split(",")
+    if args.tokenizer:
+        kind, _, path = args.tokenizer.partition(":")
+        if not path:
+            raise SystemExit("error: --tokenizer is KIND:PATH, e.g. sentencepiece:/data/c4_en.model")
+        ecfg["tokenizer"] = dict(kind=kind, path=path)
+    c = mlc.ConfigDict()
+    c.evals = mlc.ConfigDict({"suite": ecfg})
+    return c
 
 
 def evaluate(checkpoint: str, config: Any, out: Path, step: int | None = None,
@@ -274,6 +310,7 @@ def evaluate(checkpoint: str, config: Any, out: Path, step: int | None = None,
         results["checkpoint/step"] = model.step
     collected: dict[str, dict] = {}
     per_eval: dict[str, dict] = {}
+    suites: dict[str, Any] = {}   # evaluators with a task table (`rows`)
     encoder = None
     for name, (cls, settings) in tqdm(modules.items(), desc="evaluators", file=sys.stderr):
         ecfg = {k: v for k, v in evals[name].items() if k not in EVAL_KEYS}
@@ -286,6 +323,8 @@ def evaluate(checkpoint: str, config: Any, out: Path, step: int | None = None,
         if arrays is not None:
             collected[name] = arrays
         encoder = encoder or getattr(evaluator, "encoder", None)
+        if hasattr(evaluator, "rows"):
+            suites[name] = evaluator
     for k, v in results.items():
         print(f"  {k}: {v:.6g}" if isinstance(v, float) else f"  {k}: {v}")
 
@@ -301,6 +340,11 @@ def evaluate(checkpoint: str, config: Any, out: Path, step: int | None = None,
     if jax.process_index() != 0:   # every host has the same results; one writes them
         return results
     write_json_atomic(out / "results.json", {k: _jsonable(v) for k, v in results.items()})
+    for name, ev in suites.items():   # the suite's table: suite.json + suite.md
+        from evaluators.suite import write_tables
+
+        write_tables(ev.rows, out, {"checkpoint": str(checkpoint), "evaluator": name})
+        print(f"wrote {out / 'suite.md'}")
     written = make_plots(collected, {n: evals[n]["type"] for n in modules}, per_eval, out) if plots else []
     print(f"wrote {out / 'results.json'} ({len(results)} values) and {len(written)} plots")
     return results
