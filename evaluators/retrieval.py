@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from evaluators.common import Encoder, blocked_scores, get as _get, tokenizer_from
+from evaluators.common import Encoder, blocked_scores, get as _get, tokenizer_from, uncertainty
 from input_pipeline import eval_data
 from input_pipeline.eval_data import EvalSet
 
@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 KS = (1, 5, 10)
 _PAD = np.iinfo(np.int64).max // 2   # rank of a padding "positive": never < any K or R
+_WARNED: set[tuple[str, str]] = set()   # (data set, direction) without same-modality positives
 
 
 # =====================================================================================
@@ -116,6 +117,49 @@ def ranking_metrics(i2t_ranks: np.ndarray, t2i_ranks: np.ndarray,
     return out
 
 
+def binned_ranking(ranks: np.ndarray, unc: np.ndarray, bins: int = 10) -> dict[str, float]:
+    """R@1 and mAP@R (%) of the queries in `bins` equal-count bins of increasing query
+    uncertainty, and the Pearson correlation of bin index with each (the reference's
+    `eval_ret_unc`, REFERENCE §3.3; negative = uncertain queries are retrieved worse).
+    Names: unc_bin{i}_R1, unc_bin{i}_map_at_r, unc_corr_R1, unc_corr_map_at_r."""
+    if len(ranks) == 0:
+        raise ValueError("binned_ranking needs at least one query")
+    bins = min(bins, len(ranks))      # no empty bins
+    groups = np.array_split(np.argsort(unc, kind="stable"), bins)
+    out: dict[str, float] = {}
+    for metric, fn in (("R1", lambda r: recall_at_k(r, 1)), ("map_at_r", map_at_r)):
+        values = np.array([fn(ranks[g]) for g in groups])
+        for i, v in enumerate(values):
+            out[f"unc_bin{i}_{metric}"] = float(v)
+        out[f"unc_corr_{metric}"] = (0.0 if bins < 2 or np.std(values) == 0 else
+                                     float(np.corrcoef(np.arange(bins), values)[0, 1]))
+    return out
+
+
+def same_modality_positives(cap_img: np.ndarray, captions: Sequence[str] | None = None
+                            ) -> dict[str, list[np.ndarray]]:
+    """Positives of same-modality retrieval (the query itself is never a positive):
+    t2t: the other captions of the query caption's image;
+    i2i: the other images that have a caption identical to one of the query's (after lower-case
+         and whitespace normalisation) -- "caption-sharing" images, the only image-image
+         relation a captioned set defines (none on COCO-like sets with unique captions)."""
+    cap_img = np.asarray(cap_img, np.int64)
+    n = int(cap_img.max()) + 1 if len(cap_img) else 0
+    by_img = [np.flatnonzero(cap_img == i) for i in range(n)]
+    t2t = [by_img[cap_img[c]][by_img[cap_img[c]] != c] for c in range(len(cap_img))]
+    i2i: list[np.ndarray] = [np.zeros(0, np.int64)] * n
+    if captions is not None:
+        images_of: dict[str, set[int]] = {}
+        for c, text in enumerate(captions):
+            images_of.setdefault(" ".join(str(text).lower().split()), set()).add(int(cap_img[c]))
+        shared: list[set[int]] = [set() for _ in range(n)]
+        for imgs in images_of.values():
+            for i in imgs:
+                shared[i] |= imgs
+        i2i = [np.array(sorted(s - {i}), np.int64) for i, s in enumerate(shared)]
+    return {"i2i": i2i, "t2t": t2t}
+
+
 def pad_positives(lists: Sequence[Sequence[int]]) -> np.ndarray:
     """Ragged lists of gallery indices -> int64 [Q, max len] padded with -1."""
     width = max((len(x) for x in lists), default=0)
@@ -126,14 +170,19 @@ def pad_positives(lists: Sequence[Sequence[int]]) -> np.ndarray:
 
 
 def blocked_ranks(q_mu: np.ndarray, q_lv: np.ndarray, g_mu: np.ndarray, g_lv: np.ndarray,
-                  positives: np.ndarray, kind: str = "csd", block: int = 1024, topk: int = 0
-                  ) -> tuple[np.ndarray, np.ndarray | None]:
+                  positives: np.ndarray, kind: str = "csd", block: int = 1024, topk: int = 0,
+                  exclude: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """positive_ranks (and top_indices when topk > 0) of queries [Q, D] against a gallery
-    [M, D], computed block by block on the devices: only [Q, P] (+ [Q, topk]) is kept."""
+    [M, D], computed block by block on the devices: only [Q, P] (+ [Q, topk]) is kept.
+    exclude: int [Q], a gallery item left out of each query's ranking (the query itself in
+    same-modality retrieval)."""
     ranks = np.empty(positives.shape, np.int64)
     tops = np.empty((len(q_mu), min(topk, len(g_mu))), np.int64) if topk else None
 
     def reduce(s: np.ndarray, start: int) -> None:
+        if exclude is not None:
+            s = s.copy()
+            s[np.arange(len(s)), exclude[start:start + len(s)]] = -np.inf   # never ranked
         ranks[start:start + len(s)] = positive_ranks(s, positives[start:start + len(s)])
         if tops is not None:
             tops[start:start + len(s)] = top_indices(s, topk)
@@ -189,11 +238,21 @@ class Evaluator:
       num_folds: the 1K protocol's folds (5 for COCO, else 0); fold_size: 1000.
       eccv: True (ECCV Caption + CxC when eccv_caption is importable and the ids are COCO 5K);
       eccv_topk: 50 (ranked list length given to eccv_caption; >= max #ECCV positives = 48).
+      unc_bins: 10 (0: off) -- per score kind and direction, R@1 and mAP@R in equal-count bins
+        of the query's sigma^2 = sum_d exp(log sigma_d^2) and their correlation with the bin
+        index (the reference's `eval_ret_unc`; probabilistic models only, full set only).
+      same_modality: ("i2i", "t2t") -- image->image and text->text retrieval (positives:
+        `same_modality_positives`; the query is left out of its own gallery). Queries without
+        a positive are skipped; when no query has one, a warning says so and nothing is yielded.
     Metric names (values in %; rsum is a sum of six %):
       <prefix>/{i2t,t2i}_R@{1,5,10}, rsum, {i2t,t2i}_rprecision, {i2t,t2i}_map_at_r, where
       prefix = retrieval/<name>/<score> (or .../5k and .../1k for COCO);
       retrieval/<name>/<score>/eccv/{i2t,t2i,mean}_{r1,map_at_r,rprecision};
-      retrieval/<name>/<score>/cxc/{i2t,t2i}_R@{1,5,10}.
+      retrieval/<name>/<score>/cxc/{i2t,t2i}_R@{1,5,10};
+      <prefix>/{i2t,t2i}/unc_bin{0..B-1}_{R1,map_at_r}, {i2t,t2i}/unc_corr_{R1,map_at_r}
+        (bin 0 = least uncertain queries; full set: .../5k/... for COCO);
+      <prefix>/{i2i,t2t}_R@{1,5,10}, {i2i,t2t}_rprecision, {i2i,t2t}_map_at_r,
+        {i2i,t2t}_num_queries (those with >= 1 positive), and with unc_bins {i2i,t2t}/unc_bin...
     """
 
     def __init__(self, config: Mapping[str, Any], model: Any, tokenizer: Any = None):
@@ -240,13 +299,55 @@ class Evaluator:
 
     # ---- metrics ----------------------------------------------------------------------
     def _protocol(self, i_mu, i_lv, t_mu, t_lv, cap_img: np.ndarray, kind: str,
-                  topk: int = 0) -> tuple[dict[str, float], Any]:
-        """Metrics of one image set with its captions (cap_img: int [M] into the images)."""
+                  topk: int = 0) -> tuple[dict[str, float], Any, tuple[np.ndarray, np.ndarray]]:
+        """Metrics of one image set with its captions (cap_img: int [M] into the images),
+        the top-k lists and the positives' ranks (i2t, t2i)."""
         i2t_pos = pad_positives([np.flatnonzero(cap_img == i) for i in range(len(i_mu))])
         i2t, i2t_top = blocked_ranks(i_mu, i_lv, t_mu, t_lv, i2t_pos, kind, self.block, topk)
         t2i, t2i_top = blocked_ranks(t_mu, t_lv, i_mu, i_lv, cap_img[:, None], kind, self.block,
                                      topk)
-        return ranking_metrics(i2t, t2i, self.ks), (i2t_top, t2i_top)
+        return ranking_metrics(i2t, t2i, self.ks), (i2t_top, t2i_top), (i2t, t2i)
+
+    def _uncertainty_aware(self, data: EvalSet, i_mu, i_lv, t_mu, t_lv, cap_img: np.ndarray,
+                           kind: str, ranks: tuple[np.ndarray, np.ndarray]
+                           ) -> Iterator[tuple[str, float]]:
+        """Recall per query-uncertainty bin (cross-modal and same-modality) and i2i / t2t."""
+        bins = int(_get(self.config, "unc_bins", 10))
+        probabilistic = i_lv is not None and t_lv is not None
+        if bins and probabilistic:
+            for d, r, lv in (("i2t", ranks[0], i_lv), ("t2i", ranks[1], t_lv)):
+                for k, v in binned_ranking(r, uncertainty(lv), bins).items():
+                    yield f"{d}/{k}", v
+        wanted = tuple(_get(self.config, "same_modality", ("i2i", "t2t")))
+        unknown = set(wanted) - {"i2i", "t2t"}
+        if unknown:
+            raise ValueError(f"retrieval evaluator: same_modality {sorted(unknown)}; use i2i, t2t")
+        if not wanted:
+            return
+        positives = same_modality_positives(cap_img, data.captions)
+        emb = {"i2i": (i_mu, i_lv), "t2t": (t_mu, t_lv)}
+        for d in wanted:
+            has = np.flatnonzero([len(p) > 0 for p in positives[d]])
+            if len(has) == 0:
+                if (data.name, d) in _WARNED:   # once per data set, not at every evaluation
+                    continue
+                _WARNED.add((data.name, d))
+                log.warning("retrieval/%s: no %s query has a positive (%s); %s metrics skipped",
+                            data.name, d, "no two images share a caption" if d == "i2i"
+                            else "one caption per image", d)
+                continue
+            mu, lv = emb[d]
+            r, _ = blocked_ranks(mu[has], _rows(lv, has), mu, lv,
+                                 pad_positives([positives[d][q] for q in has]), kind,
+                                 self.block, exclude=has)
+            for k in self.ks:
+                yield f"{d}_R@{k}", recall_at_k(r, k)
+            yield f"{d}_rprecision", r_precision(r)
+            yield f"{d}_map_at_r", map_at_r(r)
+            yield f"{d}_num_queries", float(len(has))
+            if bins and lv is not None:
+                for k, v in binned_ranking(r, uncertainty(lv[has]), bins).items():
+                    yield f"{d}/{k}", v
 
     def _eccv_ready(self, data: EvalSet) -> Any:
         image_ids, caption_ids = data.info.get("image_ids"), data.info.get("caption_ids")
@@ -275,16 +376,19 @@ class Evaluator:
         topk = int(_get(self.config, "eccv_topk", 50)) if eccv is not None else 0
         for kind in self.scores:
             prefix = f"retrieval/{data.name}/{kind}"
-            full, (i2t_top, t2i_top) = self._protocol(i_mu, i_lv, t_mu, t_lv, cap_img, kind, topk)
+            full, (i2t_top, t2i_top), ranks = self._protocol(i_mu, i_lv, t_mu, t_lv, cap_img,
+                                                             kind, topk)
             full_prefix = f"{prefix}/5k" if is_coco else prefix
             yield from ((f"{full_prefix}/{k}", v) for k, v in full.items())
+            for k, v in self._uncertainty_aware(data, i_mu, i_lv, t_mu, t_lv, cap_img, kind, ranks):
+                yield f"{full_prefix}/{k}", v
             if folds:   # COCO 1K: folds of `fold_size` consecutive images and their captions
                 per_fold = []
                 for f in range(folds):
                     lo, hi = f * fold_size, (f + 1) * fold_size
                     caps = np.flatnonzero((cap_img >= lo) & (cap_img < hi))
-                    m, _ = self._protocol(i_mu[lo:hi], _rows(i_lv, slice(lo, hi)), t_mu[caps],
-                                          _rows(t_lv, caps), cap_img[caps] - lo, kind)
+                    m, _, _ = self._protocol(i_mu[lo:hi], _rows(i_lv, slice(lo, hi)), t_mu[caps],
+                                             _rows(t_lv, caps), cap_img[caps] - lo, kind)
                     per_fold.append(m)
                 for k in per_fold[0]:
                     yield f"{prefix}/1k/{k}", float(np.mean([m[k] for m in per_fold]))
