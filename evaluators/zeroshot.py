@@ -28,6 +28,9 @@ Config keys (dict or ml_collections.ConfigDict):
                    'alpha-multiplier-NN-K-stable_eps-prior', or a dict); bprw_seed (0);
                    bprw_exclude_support (False): few-shot accuracies without the support images
     out_dir        where BPRW weights are written (bprw_<name>_<mode>.npy / .json); "" = nowhere
+    prompt_select  None, or a list of uncertainty-based prompt selections (paper Table 3 "filtering
+                   by sigma stats" / "top-K prompts"; evaluators/prompt_selection.py), e.g.
+                   [dict(kind="sigma_filter", coeff=0.0), dict(kind="topk", k=10)] or "topk:10"
 Metrics (all accuracies are fractions in [0, 1]):
     zeroshot/<name>/top1_dot, top5_dot, top1_csd, top5_csd
     zeroshot/<name>/unc_bin{0..9}_top1_dot, unc_bin{i}_top1_csd   (bin 0 = least uncertain)
@@ -36,6 +39,9 @@ Metrics (all accuracies are fractions in [0, 1]):
     bprw/<name>/<mode>/top1_{dot,csd}_base (80-prompt ensemble), top1_{dot,csd} (re-weighted),
     bprw/<name>/<mode>/weight_max, weight_entropy, em_iterations   (<mode>: "nn", "fewshot", or
     the spec string for other settings)
+    promptsel/<name>/<label>/top1_{dot,csd}_base (all templates), top1_{dot,csd} (selected),
+    promptsel/<name>/<label>/kept_mean, kept_min   (templates kept per class; <label>: e.g.
+    "sigma_filter_0", "topk_10")
 A deterministic model (log sigma^2 None) yields top1_dot and top5_dot only; BPRW needs sigma^2.
 `BPRWEvaluator` (registered as "prompt_reweighting") yields only the bprw/... metrics.
 Images are read through input_pipeline.eval_data (sharded over the hosts); labels ride along.
@@ -47,7 +53,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from evaluators import common, prompt_reweighting
+from evaluators import common, prompt_reweighting, prompt_selection
 from evaluators.common import get as _get
 from input_pipeline import eval_data
 from input_pipeline.eval_data import read_list as _read_list
@@ -227,6 +233,11 @@ class Evaluator:
         self.bprw = [bprw] if isinstance(bprw, str) or hasattr(bprw, "keys") else list(bprw)
         self.bprw_only = bool(_get(config, "bprw_only", False))
         self.out_dir = _get(config, "out_dir", "")
+        select = _get(config, "prompt_select", ())
+        self.prompt_select = ([select] if isinstance(select, str) or hasattr(select, "keys")
+                              else list(select))
+        for setting in self.prompt_select:
+            prompt_selection.parse(setting)   # a bad setting fails before any encoding
 
     def encode(self, params: Any, progress: Callable[[int], None] | None = None
                ) -> dict[str, np.ndarray]:
@@ -278,6 +289,26 @@ class Evaluator:
             raise ValueError("BPRW needs a probabilistic model (log sigma^2); this one is deterministic")
         for setting in self.bprw:
             yield from self._bprw(setting, enc, class_mu, class_s2)
+        if self.prompt_select and not probabilistic:
+            raise ValueError("prompt_select needs a probabilistic model (log sigma^2)")
+        for setting in self.prompt_select:
+            yield from self._prompt_select(setting, enc, class_mu, class_s2)
+
+    def _prompt_select(self, setting: Any, enc: dict[str, np.ndarray], class_mu: np.ndarray,
+                       class_s2: np.ndarray) -> Iterator[tuple[str, float]]:
+        """Accuracy with the templates an uncertainty rule keeps per class (paper Table 3)."""
+        n_cls, n_tpl = len(self.classnames), len(self.templates)
+        text_mu = enc["text_mu"].reshape(n_cls, n_tpl, -1)
+        text_s2 = np.exp(enc["text_logvar"].reshape(n_cls, n_tpl, -1).astype(np.float64))
+        keep = prompt_selection.select(text_s2.sum(-1), setting)
+        new_mu, new_s2 = prompt_selection.selected_classifier(text_mu, text_s2, keep)
+        img_mu, labels = enc["image_mu"], enc["label"]
+        pre = f"promptsel/{self.name}/{prompt_selection.label(setting)}"
+        for kind in ("dot", "csd"):
+            yield f"{pre}/top1_{kind}_base", float(np.mean(ranks(img_mu, labels, class_mu, class_s2, kind) < 1))
+            yield f"{pre}/top1_{kind}", float(np.mean(ranks(img_mu, labels, new_mu, new_s2, kind) < 1))
+        yield f"{pre}/kept_mean", float(keep.sum(1).mean())
+        yield f"{pre}/kept_min", float(keep.sum(1).min())
 
     def _bprw(self, setting: Any, enc: dict[str, np.ndarray], class_mu: np.ndarray,
               class_s2: np.ndarray) -> Iterator[tuple[str, float]]:
