@@ -4,6 +4,7 @@ r"""Offline evaluation on the built-in demo dataset (zero-shot, retrieval, uncer
 
 Config args (`--config configs/eval/demo.py:evals=uncertainty,small=1`):
     evals=a+b+c    evaluators to include, of zeroshot, retrieval, uncertainty (default: all three)
+                   and hierarcaps (the HierarCaps traversal on the demo's 4 caption levels)
     cache_dir=DIR  demo cache folder (default: input_pipeline.demo.default_cache_dir())
     image_size=N   stored size of the demo images (default 64, the DemoConfig default; `make
                    demo` uses 32). The held-out splits do not depend on the train split.
@@ -20,6 +21,7 @@ import ml_collections as mlc
 from prolip_jax import config_args
 
 ALL = ("zeroshot", "retrieval", "uncertainty")
+OPTIONAL = ("hierarcaps",)
 
 
 def get_config(arg=None):
@@ -37,9 +39,9 @@ def get_config(arg=None):
     c = mlc.ConfigDict()
     c.evals = mlc.ConfigDict()
     evals = args["evals"].split("+")
-    unknown = sorted(set(evals) - set(ALL))
+    unknown = sorted(set(evals) - set(ALL + OPTIONAL))
     if unknown:
-        raise ValueError(f"unknown evaluators {unknown}; known: {ALL}")
+        raise ValueError(f"unknown evaluators {unknown}; known: {ALL + OPTIONAL}")
     if "zeroshot" in evals:   # 36 colour x shape classes, 4 templates (paper §4.2 protocol)
         c.evals.zeroshot = dict(type="zeroshot", dataset="demo", task="object", demo=demo)
     if "retrieval" in evals:  # one level-3 caption per image
@@ -47,4 +49,6 @@ def get_config(arg=None):
     if "uncertainty" in evals:  # four caption levels per image (paper §4.3, C.6)
         c.evals.uncertainty = dict(type="uncertainty", dataset="demo", split="levels", demo=demo,
                                    image_keep_ratio=0.75, text_mask_prob=0.75, inclusion_eps=0.0)
+    if "hierarcaps" in evals:  # traversal from each image towards [ROOT] (paper §4.4, B.4)
+        c.evals.hierarcaps = dict(type="hierarcaps", dataset="demo", demo=demo)
     return c
