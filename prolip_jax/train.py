@@ -224,8 +224,9 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
         config.optim.to_dict(), config.total_steps, param_shapes, step=step)
     make_optimizer(0)  # checks lock/group patterns against the parameters before anything compiles
 
-    # ---- Data ----------------------------------------------------------------------------
+    # ---- Data (training batches and the in-training evaluators) ---------------------------
     data = build_train_data(config, mcfg)
+    evaluators = build_evaluators(config, model)
 
     # ---- Pretrained weights (config.init): imported and checked now, applied after init. ---
     # A run that resumes never re-imports: its checkpoint already holds the warm-started state.
@@ -265,7 +266,6 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
     train_step = compile_step(start)
     rebuild_at = optim.rebuild_steps(config.optim.to_dict())
 
-    evaluators = build_evaluators(config, model)
     best = ckpt_lib.BestKeeper(workdir / "best", config.keep_best, mcfg) if config.keep_best.metric else None
     evaluated: set[str] = set()  # evaluators that have run at least once, and every metric logged:
     logged: set[str] = set()  # keep_best's metric must be among them

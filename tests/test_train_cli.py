@@ -13,6 +13,8 @@ from prolip_jax import train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.py") + ":data=random"
+# A config file with a mistyped evaluator type (written once, beside the tests' tmp files).
+EVAL_TYPO = str(Path(__file__).resolve().parent / "data" / "config_eval_typo.py")
 
 
 def _run_main(args, workdir):
@@ -41,6 +43,7 @@ def _run_main(args, workdir):
      r"warm start: \d+ parameter\(s\) of the source do not fit the target model.*text/ln_final/bias: target \(64,\), "
      r"source \(40,\)"),
     (["--config", TINY, "--config.keep_best.mode=best"], r"config\.keep_best\.mode='best' is not one of"),
+    ([f"--config={EVAL_TYPO}"], r"config\.evals\.zs: unknown evaluator type 'zeroshoot'; registered: \[.*'zeroshot'"),
 ])
 def test_bad_command_is_one_line_exit_2_nothing_created(tmp_path, capsys, args, expected):
     import re
