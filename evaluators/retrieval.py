@@ -255,7 +255,8 @@ class Evaluator:
         {i2i,t2t}_num_queries (those with >= 1 positive), and with unc_bins {i2i,t2t}/unc_bin...
     """
 
-    def __init__(self, config: Mapping[str, Any], model: Any, tokenizer: Any = None):
+    def __init__(self, config: Mapping[str, Any], model: Any, tokenizer: Any = None, data: EvalSet | None = None):
+        """data: an already opened set (else the config's, loaded on first use)."""
         self.config, self.model = config, model
         mcfg = model.config
         self.image_size = int(_get(config, "image_size", mcfg.vision.image_size))
@@ -267,7 +268,7 @@ class Evaluator:
         self.encoder = Encoder(model, int(_get(config, "batch_size", 256)),
                                _get(config, "normalization", "openai"))
         self._tokenizer = tokenizer
-        self._data: EvalSet | None = None
+        self._data = data
         self.last_throughput: dict[str, float] = {}
 
     # ---- data ------------------------------------------------------------------------

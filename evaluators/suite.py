@@ -314,8 +314,7 @@ class Evaluator:
             raise Skip(f"no data: looked for {wds}, {js}")
         if not es.captions:
             raise Skip(f"{source} data of {task['id']} has no captions")
-        ev = retrieval.Evaluator(cfg, self.model, self.tokenizer)
-        ev._data = es   # the set opened here (the evaluator loads its config's data lazily)
+        ev = retrieval.Evaluator(cfg, self.model, self.tokenizer, data=es)
         ev.encoder = self.encoder
         metrics = dict(ev.run(params, progress))
         score = self.score if any(f"/{self.score}/" in k for k in metrics) else "dot"
