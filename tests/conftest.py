@@ -77,3 +77,21 @@ def make_shard_data(root: Path, width: int, height: int) -> dict[str, str]:
     convert_tar.convert(str(root / "tar" / "*.tar"), str(root / "ar"), progress=False)
     return {"tar": str(root / "tar" / f"{{00000..{NUM_SHARDS - 1:05d}}}.tar"),
             "array_record": str(root / "ar" / "*.array_record")}
+
+
+@pytest.fixture(scope="module")
+def micro():
+    """(the `micro` ProLIP module, random params): unit LayerNorm scales, N(0, 0.2) elsewhere."""
+    import jax
+
+    from prolip_jax.models import ProLIP, abstract_params, get_config
+    cfg = get_config("micro")
+    rng = np.random.default_rng(0)
+
+    def draw(path, leaf):
+        name = jax.tree_util.keystr(path)
+        if "scale" in name and "logit" not in name:
+            return np.ones(leaf.shape, leaf.dtype)
+        return (rng.normal(size=leaf.shape) * 0.2).astype(leaf.dtype)
+
+    return ProLIP(cfg), jax.tree_util.tree_map_with_path(draw, abstract_params(cfg))

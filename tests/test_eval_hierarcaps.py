@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 
-import jax
 import numpy as np
 import pytest
 from PIL import Image
@@ -143,21 +142,6 @@ class WordTokenizer:
             ids = [3 + sum(map(ord, w)) % 40 for w in t.split()][:7]
             out[i, :len(ids)] = ids
         return out
-
-
-@pytest.fixture(scope="module")
-def micro():
-    from prolip_jax.models import ProLIP, abstract_params, get_config
-    cfg = get_config("micro")
-    rng = np.random.default_rng(0)
-
-    def draw(path, leaf):
-        name = jax.tree_util.keystr(path)
-        if "scale" in name and "logit" not in name:
-            return np.ones(leaf.shape, leaf.dtype)
-        return (rng.normal(size=leaf.shape) * 0.2).astype(leaf.dtype)
-
-    return ProLIP(cfg), jax.tree_util.tree_map_with_path(draw, abstract_params(cfg))
 
 
 def test_evaluator_by_hand_and_end_to_end(micro, tmp_path):

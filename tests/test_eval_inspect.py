@@ -7,7 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
@@ -59,21 +58,6 @@ def test_pca_ellipses_axis_aligned(tmp_path):
     np.testing.assert_allclose(np.abs(out["components"]), [[1, 0, 0], [0, 1, 0]], atol=0.02)
     np.testing.assert_allclose(out["cov2d"], [np.diag([0.01, 0.04])] * 4, atol=1e-3)
     np.testing.assert_allclose(np.abs(out["mean2d"][:, 0]), [10, 10, 0, 0], atol=0.2)
-
-
-@pytest.fixture(scope="module")
-def micro():
-    from prolip_jax.models import ProLIP, abstract_params, get_config
-    cfg = get_config("micro")
-    rng = np.random.default_rng(0)
-
-    def draw(path, leaf):
-        name = jax.tree_util.keystr(path)
-        if "scale" in name and "logit" not in name:
-            return np.ones(leaf.shape, leaf.dtype)
-        return (rng.normal(size=leaf.shape) * 0.2).astype(leaf.dtype)
-
-    return ProLIP(cfg), jax.tree_util.tree_map_with_path(draw, abstract_params(cfg))
 
 
 def test_script_inspect_on_demo(micro, tmp_path):

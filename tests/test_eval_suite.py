@@ -5,11 +5,9 @@ micro model and a stand-in tokenizer: skip reasons, label mismatches, tables, av
 import configparser
 import io
 import json
-import os
 import tarfile
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 from PIL import Image
@@ -146,21 +144,6 @@ def test_webdataset_loader(data_dir):
     assert pets.info["templates"] == ["a photo of a {}.", "a {}."]
     with pytest.raises(FileNotFoundError, match="does not exist"):
         eval_data.webdataset(str(data_dir / "nope"))
-
-
-@pytest.fixture(scope="module")
-def micro():
-    from prolip_jax.models import ProLIP, abstract_params, get_config
-    cfg = get_config("micro")
-    rng = np.random.default_rng(0)
-
-    def draw(path, leaf):
-        name = jax.tree_util.keystr(path)
-        if "scale" in name and "logit" not in name:
-            return np.ones(leaf.shape, leaf.dtype)
-        return (rng.normal(size=leaf.shape) * 0.2).astype(leaf.dtype)
-
-    return ProLIP(cfg), jax.tree_util.tree_map_with_path(draw, abstract_params(cfg))
 
 
 def _tok(texts):   # stand-in tokenizer: distinct texts give distinct rows
