@@ -84,3 +84,13 @@ def binned_accuracy(correct: np.ndarray, unc: np.ndarray, bins: int = 10) -> tup
     if np.std(accs) == 0:
         return accs, 0.0
     return accs, float(np.corrcoef(np.arange(bins), accs)[0, 1])
+
+
+def with_defaults(config: Any, defaults: dict[str, Any], who: str) -> dict[str, Any]:
+    """`defaults` updated from `config` (a dict or ConfigDict); unknown keys are an error naming
+    the known ones (a typo in an eval config must not fall back to a default silently)."""
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    unknown = set(cfg) - set(defaults)
+    if unknown:
+        raise ValueError(f"{who}: unknown config keys {sorted(unknown)}; known: {sorted(defaults)}")
+    return {**defaults, **cfg}

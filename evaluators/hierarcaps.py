@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from evaluators.common import Encoder, tokenizer_from, uncertainty
+from evaluators.common import Encoder, tokenizer_from, uncertainty, with_defaults
 from evaluators.uncertainty import ordering_rates
 from input_pipeline import eval_data
 from input_pipeline.eval_data import EvalSet
@@ -221,12 +221,7 @@ class Evaluator:
     """HierarCaps traversal; config keys and metrics in the module docstring."""
 
     def __init__(self, config: Mapping[str, Any], model: Any, tokenizer: Any = None):
-        cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-        unknown = set(cfg) - set(DEFAULTS)
-        if unknown:
-            raise ValueError(f"hierarcaps evaluator: unknown config keys {sorted(unknown)}; "
-                             f"known: {sorted(DEFAULTS)}")
-        self.config = c = {**DEFAULTS, **cfg}
+        self.config = c = with_defaults(config, DEFAULTS, "hierarcaps evaluator")
         self.model = model
         self.image_size = int(c["image_size"] or model.config.vision.image_size)
         context = model.config.text.context_length

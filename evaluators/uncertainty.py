@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from evaluators.common import Encoder, uncertainty
+from evaluators.common import Encoder, uncertainty, with_defaults
 from input_pipeline import eval_data
 from input_pipeline.eval_data import EvalSet
 from prolip_jax.losses import inclusion_test
@@ -178,12 +178,7 @@ class Evaluator:
     """
 
     def __init__(self, config: Mapping[str, Any], model: ProLIP, tokenizer: Any = None):
-        cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-        unknown = set(cfg) - set(DEFAULTS)
-        if unknown:
-            raise ValueError(f"uncertainty evaluator: unknown config keys {sorted(unknown)}; "
-                             f"known: {sorted(DEFAULTS)}")
-        self.config = {**DEFAULTS, **cfg}
+        self.config = with_defaults(config, DEFAULTS, "uncertainty evaluator")
         self.model = model
         c = self.config
         mc = model.config
