@@ -89,18 +89,28 @@ def forward_flops(config: ProLIPConfig, batch: int, text_length: int | None = No
 
 def train_step_flops(config: ProLIPConfig, global_batch: int, masked_fraction: float = 0.125,
                      image_keep_ratio: float = 0.75, text_length: int | None = None,
-                     num_masked: int | None = None) -> float:
+                     num_masked: int | None = None, locked_towers: tuple[str, ...] = ()) -> float:
     """FLOPs of one optimizer step on `global_batch` pairs (all devices together).
 
     num_masked overrides int(global_batch * masked_fraction) when the trainer rounds per shard.
+    locked_towers: towers ("visual", "text") whose parameters are all locked (`optim.locked`):
+    nothing upstream of their output is differentiated, so their forward counts once, not x3.
     """
     if num_masked is None:
         num_masked = int(global_batch * masked_fraction)
-    fwd = forward_flops(config, global_batch, text_length)
+    times = {tower: 1.0 if tower in locked_towers else 3.0 for tower in ("visual", "text")}
+
+    def both_towers(batch: int, keep_ratio: float | None) -> float:
+        v = vision_forward_flops(config.vision, config.embed_dim, batch, keep_ratio)
+        t = text_forward_flops(config.text, config.embed_dim, batch, text_length)
+        return times["visual"] * sum(v.values()) + times["text"] * sum(t.values())
+
+    total = both_towers(global_batch, None)
     if num_masked > 0:
-        fwd += forward_flops(config, num_masked, text_length, image_keep_ratio)
-    fwd += 2.0 * global_batch * global_batch * config.embed_dim  # PPCL logits [B, B]
-    return 3.0 * fwd
+        total += both_towers(num_masked, image_keep_ratio)
+    # PPCL logits [B, B]: the forward matmul plus one gradient matmul per differentiated side.
+    logit_times = 1.0 + sum(tower not in locked_towers for tower in ("visual", "text"))
+    return total + logit_times * 2.0 * global_batch * global_batch * config.embed_dim
 
 
 # ------------------------------------------------------------------------------- peaks and MFU

@@ -273,8 +273,16 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
     # ---- What the user sees ----------------------------------------------------------------
     writer = MetricWriter(str(workdir), config.total_steps, is_chief=is_chief, resume_step=start + 1)
     m_count = step_lib.num_masked_rows(config.batch_size, scfg)
-    step_flops = flops_lib.train_step_flops(mcfg, config.batch_size, image_keep_ratio=scfg.image_keep_ratio,
-                                            num_masked=m_count)
+
+    def count_step_flops(step: int) -> float:
+        """Model FLOPs of one step; a tower locked at `step` runs forward only (flops.py)."""
+        locked = set(optim.locked_paths(param_shapes, config.optim.to_dict(), step))
+        towers = tuple(t for t in ("visual", "text")
+                       if all(p in locked for p in optim.param_paths(param_shapes) if p.startswith(t + "/")))
+        return flops_lib.train_step_flops(mcfg, config.batch_size, image_keep_ratio=scfg.image_keep_ratio,
+                                          num_masked=m_count, locked_towers=towers)
+
+    step_flops = count_step_flops(start)
     device_kind = jax.devices()[0].device_kind
     preempted = {"flag": False}
     previous_handler = signal.signal(signal.SIGTERM, lambda *_: preempted.update(flag=True))
@@ -312,6 +320,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
                 state = state.replace(opt_state=jax.jit(lambda o, p: optim.transfer_state(o, tx, p),
                                                         out_shardings=state_sh.opt_state)(state.opt_state, state.params))
                 train_step = compile_step(step)
+                step_flops = count_step_flops(step)
                 if is_chief:
                     print(f"step {step}: unlocked {list(config.optim.locked)} (fresh Adam moments for them)", flush=True)
             # Read the previous step's flag (step - 1): the device keeps working on this one meanwhile.

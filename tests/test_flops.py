@@ -121,6 +121,28 @@ def test_train_step_matches_gradient_matmuls(tiny):
     assert counted == flops.train_step_flops(cfg, b, num_masked=m) - patch(b) - patch(m)
 
 
+def test_train_step_flops_with_a_locked_tower(tiny):
+    """With the image tower locked (`optim.locked=("^visual/",)`, the step differentiates only
+    the rest) the image tower and its patch embedding run forward only, and the PPCL logits
+    get one gradient matmul instead of two: exactly the jaxpr's count."""
+    cfg, model, params = tiny
+    b, m = 8, 2
+    images, tokens = dummy_inputs(cfg, batch=b)
+    keep = random_keep_indices(jax.random.key(0), cfg.vision.num_patches, 0.75)
+
+    def loss_fn(trainable, locked):
+        p = {**trainable, **locked}
+        out = model.apply({"params": p}, images, tokens)
+        masked = model.apply({"params": p}, images[:m], tokens[:m], keep)
+        return prolip_loss(out, masked, config=LossConfig())[0]
+
+    locked = {"visual": params["visual"]}
+    trainable = {k: v for k, v in params.items() if k != "visual"}
+    counted = _dot_flops(jax.make_jaxpr(jax.value_and_grad(loss_fn))(trainable, locked).jaxpr)
+    assert counted == flops.train_step_flops(cfg, b, num_masked=m, locked_towers=("visual",))
+    assert counted < flops.train_step_flops(cfg, b, num_masked=m)
+
+
 # ------------------------------------------------------------------- XLA's own cost analysis
 def test_forward_against_xla_cost_analysis(tiny):
     """XLA counts every op, elementwise ones included (LayerNorm, erf-GELU, softmax, adds), so
