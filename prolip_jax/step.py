@@ -24,7 +24,6 @@ from typing import Any, Callable
 
 import flax.linen as nn
 import flax.struct
-import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import optax
@@ -168,18 +167,9 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
     num_patches = model.config.vision.num_patches
     masked_rows = (jnp.arange(global_batch // g)[:, None] * g + jnp.arange(m_group)[None]).reshape(-1)
     ppcl = _ppcl_fn(cfg.ppcl_impl, mesh)
-    is_trainable = (lambda path: True) if trainable is None else (  # noqa: E731
-        lambda path, m=flax.traverse_util.flatten_dict(trainable): bool(m[path]))
-
-    # Differentiating only w.r.t. the trainable leaves (flat {path: array} dicts) is what keeps a
-    # locked tower from costing its weight-gradient matmuls.
-    def split(params):
-        flat = flax.traverse_util.flatten_dict(params)
-        return ({p: v for p, v in flat.items() if is_trainable(p)},
-                {p: v for p, v in flat.items() if not is_trainable(p)})
-
-    def join(train, frozen):
-        return flax.traverse_util.unflatten_dict({**train, **frozen})
+    # Differentiating only w.r.t. the trainable leaves (optim.partition: None where the other
+    # part holds the leaf) is what keeps a locked tower from costing its weight-gradient matmuls.
+    join = optim.combine
 
     def features(params, images, tokens, keep_idx=None):
         out = model.apply({"params": params}, images, tokens, image_keep_idx=keep_idx)
@@ -224,8 +214,8 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
             grads, _ = jax.lax.scan(lambda a, xs: pull_back(a, xs, keep_idx), grads,
                                     (*m_chunks, jax.tree.map(split_mb, g_mf)))
         for name, g_direct in (("logit_scale", g_scale), ("logit_bias", g_bias)):
-            if (name,) in grads:
-                grads[(name,)] = grads[(name,)] + g_direct
+            if grads[name] is not None:  # None: locked
+                grads = {**grads, name: grads[name] + g_direct}
         return loss, terms, f, grads
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
@@ -240,7 +230,8 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
         keep_idx = jnp.sort(jax.random.permutation(rng_img, num_patches)[
             :num_kept_patches(num_patches, cfg.image_keep_ratio)])
         grad_fn = grads_one_batch if k == 1 else grads_cached
-        train, frozen = split(state.params)
+        mask = jax.tree.map(lambda _: True, state.params) if trainable is None else trainable
+        train, frozen = optim.partition(state.params, mask)
         loss, terms, f, grads = grad_fn(train, frozen, images, tokens, m_images, m_tokens, keep_idx)
         grads = join(grads, jax.tree.map(jnp.zeros_like, frozen))
 
