@@ -185,9 +185,14 @@ def restore(mngr: ocp.CheckpointManager, step: int, model: ProLIP, tx: Any, shar
     saved_tx, _ = optim.make_optimizer(saved, config.total_steps, param_shapes, step=step)
     saved_sh = step_lib.state_shardings(model, saved_tx, mesh, config.sharding_rules)
     state = ckpt_lib.restore_train_state(mngr, step, step_lib.abstract_train_state(model, saved_tx, saved_sh), data)
-    same = jax.tree.structure(saved_sh.opt_state) == jax.tree.structure(shardings.opt_state)
-    if same:
+    if jax.tree.structure(saved_sh.opt_state) == jax.tree.structure(shardings.opt_state):
         return state
+    return with_optimizer(state, tx, shardings)
+
+
+def with_optimizer(state: step_lib.TrainState, tx: Any, shardings: step_lib.TrainState) -> step_lib.TrainState:
+    """`state` moved onto optimiser `tx` (another layout of fine-tuning controls): Adam moments
+    carried by parameter path, fresh ones for parameters new to the optimiser (optim.transfer_state)."""
     opt_state = jax.jit(lambda o, p: optim.transfer_state(o, tx, p),
                         out_shardings=shardings.opt_state)(state.opt_state, state.params)
     return state.replace(opt_state=opt_state)
@@ -231,7 +236,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
     # ---- Pretrained weights (config.init): imported and checked now, applied after init. ---
     # A run that resumes never re-imports: its checkpoint already holds the warm-started state.
     ckpt_dir = (workdir / "checkpoints").absolute()
-    resuming = ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+    resuming = ckpt_lib.is_checkpoint(ckpt_dir)
     apply_warm_start = None if resuming else warm_start.prepare(config.init, mcfg, param_shapes)
 
     # ---- Checkpoints: resume if the workdir has one -------------------------------------
@@ -317,8 +322,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
             if step in rebuild_at:  # optim.unlock_step: the locked parameters join the optimiser
                 tx, schedule = make_optimizer(step)
                 state_sh = step_lib.state_shardings(model, tx, mesh, config.sharding_rules)
-                state = state.replace(opt_state=jax.jit(lambda o, p: optim.transfer_state(o, tx, p),
-                                                        out_shardings=state_sh.opt_state)(state.opt_state, state.params))
+                state = with_optimizer(state, tx, state_sh)
                 train_step = compile_step(step)
                 step_flops = count_step_flops(step)
                 if is_chief:
@@ -396,8 +400,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
 def with_defaults(config):
     """`config` with the sections and fields it leaves out set to the defaults declared beside
     the code that uses them: `init` (warm_start.DEFAULTS), `keep_best` (checkpoint.KEEP_BEST_DEFAULTS),
-    the fine-tuning controls of `optim`
-    (optim.FINETUNE_DEFAULTS) and every field of
+    the fine-tuning controls of `optim` (optim.FINETUNE_DEFAULTS) and every field of
     input_pipeline.DataConfig, so `--config.<section>.<any field>=...` works (None defaults
     become typed placeholders: ml_collections cannot override a plain None)."""
     import dataclasses
