@@ -195,9 +195,10 @@ def restore_data_state(directory: str | os.PathLike, data: Any) -> None:
 # "unc_corr_csd", mode "min", baseline 0.
 KEEP_BEST_DEFAULTS = dict(
     metric="",  # a logged metric name, e.g. "eval/zeroshot/imagenet/unc_corr_csd"; "" = off
-    mode="min",  # "min" or "max": which direction is better
+    mode="min",  # one of KEEP_BEST_MODES: which direction is better
     baseline=0.0,  # a value must beat this (and every earlier one) to be kept
 )
+KEEP_BEST_MODES = ("min", "max")
 
 
 class BestKeeper:
@@ -206,8 +207,8 @@ class BestKeeper:
 
     def __init__(self, directory: str | os.PathLike, settings: Mapping[str, Any], model_config: ProLIPConfig):
         self.metric, self.mode = settings["metric"], settings["mode"]
-        if self.mode not in ("min", "max"):
-            raise ValueError(f"config.keep_best.mode={self.mode!r} is not 'min' or 'max'")
+        if self.mode not in KEEP_BEST_MODES:
+            raise ValueError(f"config.keep_best.mode={self.mode!r} is not one of {KEEP_BEST_MODES}")
         self.model_config = model_config
         self.mngr = ocp.CheckpointManager(Path(directory).absolute(), item_names=(PARAMS, CONFIG),
                                           options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))

@@ -98,7 +98,7 @@ CHOICES = {
     ("loss", "ppcl_impl"): ("dense", "ring"),
     ("loss", "vib_form"): losses.VIB_FORMS,
     ("data", "source"): ("random", *DATA_SOURCES),
-    ("keep_best", "mode"): ("min", "max"),
+    ("keep_best", "mode"): ckpt_lib.KEEP_BEST_MODES,
 }
 
 
