@@ -59,35 +59,29 @@ def _attn(dst: tuple[str, ...], names: tuple[str, ...]) -> tuple[tuple[str, ...]
     return tuple(dst + ("attn", f"{n}_kernel") for n in names), tuple(dst + ("attn", f"{n}_bias") for n in names)
 
 
-def _block_rules(tprefix: str, fprefix: tuple[str, ...], layers: int) -> Iterator[Rule]:
-    """open_clip ResidualAttentionBlock: `{tprefix}.transformer.resblocks.{i}.*`."""
-    for i in range(layers):
-        t, f = f"{tprefix}transformer.resblocks.{i}", fprefix + ("transformer", f"resblocks_{i}")
-        yield from _ln(f"{t}.ln_1", f + ("ln_1",))
-        yield from _ln(f"{t}.ln_2", f + ("ln_2",))
-        kernels, biases = _attn(f, ("query", "key", "value"))
-        yield Rule(f"{t}.attn.in_proj_weight", kernels, "qkv_w")
-        yield Rule(f"{t}.attn.in_proj_bias", biases, "qkv_b")
-        yield Rule(f"{t}.attn.out_proj.weight", (f + ("attn", "out_kernel"),), "out_w")
-        yield Rule(f"{t}.attn.out_proj.bias", (f + ("attn", "out_bias"),), "copy")
-        yield from _dense(f"{t}.mlp.c_fc", f + ("c_fc",))
-        yield from _dense(f"{t}.mlp.c_proj", f + ("c_proj",))
+# torch key names of one pre-norm block: open_clip ResidualAttentionBlock and timm's
+# VisionTransformer Block (timm/models/vision_transformer.py: qkv packed like torch's in_proj).
+OPEN_CLIP_BLOCK = dict(blocks="transformer.resblocks", ln_1="ln_1", ln_2="ln_2", qkv="attn.in_proj_",
+                       out="attn.out_proj", fc="mlp.c_fc", proj="mlp.c_proj")
+TIMM_BLOCK = dict(blocks="blocks", ln_1="norm1", ln_2="norm2", qkv="attn.qkv.", out="attn.proj",
+                  fc="mlp.fc1", proj="mlp.fc2")
 
 
-def _timm_block_rules(tprefix: str, fprefix: tuple[str, ...], layers: int) -> Iterator[Rule]:
-    """timm VisionTransformer Block (timm/models/vision_transformer.py): norm1, attn.qkv
-    (packed like torch's in_proj), attn.proj, norm2, mlp.fc1/fc2."""
+def _block_rules(tprefix: str, fprefix: tuple[str, ...], layers: int, names: dict = OPEN_CLIP_BLOCK
+                 ) -> Iterator[Rule]:
+    """`{tprefix}{names[blocks]}.{i}.*` -> Flax `transformer/resblocks_{i}/*`."""
+    n = names
     for i in range(layers):
-        t, f = f"{tprefix}blocks.{i}", fprefix + ("transformer", f"resblocks_{i}")
-        yield from _ln(f"{t}.norm1", f + ("ln_1",))
-        yield from _ln(f"{t}.norm2", f + ("ln_2",))
+        t, f = f"{tprefix}{n['blocks']}.{i}", fprefix + ("transformer", f"resblocks_{i}")
+        yield from _ln(f"{t}.{n['ln_1']}", f + ("ln_1",))
+        yield from _ln(f"{t}.{n['ln_2']}", f + ("ln_2",))
         kernels, biases = _attn(f, ("query", "key", "value"))
-        yield Rule(f"{t}.attn.qkv.weight", kernels, "qkv_w")
-        yield Rule(f"{t}.attn.qkv.bias", biases, "qkv_b")
-        yield Rule(f"{t}.attn.proj.weight", (f + ("attn", "out_kernel"),), "out_w")
-        yield Rule(f"{t}.attn.proj.bias", (f + ("attn", "out_bias"),), "copy")
-        yield from _dense(f"{t}.mlp.fc1", f + ("c_fc",))
-        yield from _dense(f"{t}.mlp.fc2", f + ("c_proj",))
+        yield Rule(f"{t}.{n['qkv']}weight", kernels, "qkv_w")
+        yield Rule(f"{t}.{n['qkv']}bias", biases, "qkv_b")
+        yield Rule(f"{t}.{n['out']}.weight", (f + ("attn", "out_kernel"),), "out_w")
+        yield Rule(f"{t}.{n['out']}.bias", (f + ("attn", "out_bias"),), "copy")
+        yield from _dense(f"{t}.{n['fc']}", f + ("c_fc",))
+        yield from _dense(f"{t}.{n['proj']}", f + ("c_proj",))
 
 
 def _open_clip_vision_rules(config: ProLIPConfig) -> list[Rule]:
@@ -124,7 +118,7 @@ def _timm_vision_rules(config: ProLIPConfig) -> list[Rule]:
              Rule(f"{t}pos_embed", (v + ("positional_embedding",),), "lead1")]
     if c.class_token:
         rules.append(Rule(f"{t}cls_token", (v + ("class_embedding",),), "lead2"))
-    rules += [*_timm_block_rules(t, v, c.layers), *_ln(f"{t}norm", v + ("ln_post",)),
+    rules += [*_block_rules(t, v, c.layers, TIMM_BLOCK), *_ln(f"{t}norm", v + ("ln_post",)),
               Rule(f"{t}attn_pool.latent", (m + ("probe",),), "lead2")]
     q_k, q_b = _attn(m, ("query",))
     kv_k, kv_b = _attn(m, ("key", "value"))
