@@ -62,11 +62,18 @@ def step_config(config) -> step_lib.StepConfig:
         normalization=config.data.get("normalization", "openai"))
 
 
+# Config sections declared beside the code that uses them; a config file may leave them out
+# (`with_defaults` fills them in).
+SECTION_DEFAULTS = {
+    "init": warm_start.DEFAULTS,  # a pretrained model to start from (prolip_jax/pretrained/warm_start.py)
+    "keep_best": ckpt_lib.KEEP_BEST_DEFAULTS,  # the best checkpoint by a metric (prolip_jax/checkpoint.py)
+}
+
 # The fields a trainer config has (configs/*.py); `data` is checked by input_pipeline.DataConfig.
 FIELDS = {
     "": {"seed", "total_steps", "batch_size", "model", "data", "loss", "masking", "optim", "microbatches",
          "mesh", "sharding_rules", "log_steps", "checkpoint_steps", "keep_checkpoints",
-         "max_nonfinite_in_a_row", "evals", "init", "keep_best"},
+         "max_nonfinite_in_a_row", "evals", *SECTION_DEFAULTS},
     "model": {"variant", "config_json", "dtype", "remat", "attention_impl", "init_logit_scale"},
     "loss": {"ppcl_weight", "vib_beta", "alpha_image_text", "alpha_masked", "inclusion_eps", "inclusion_scale",
              "vib_form", "ppcl_impl"},
@@ -74,8 +81,7 @@ FIELDS = {
     "optim": {"lr", "warmup_steps", "b1", "b2", "eps", "weight_decay", "clip_norm", "end_lr",
               *optim.FINETUNE_DEFAULTS},  # lock, unlock_step, groups, layer_decay: fine-tuning controls
     "mesh": {"shape", "axes"},
-    "init": set(warm_start.DEFAULTS),  # a pretrained model to start from (prolip_jax/pretrained/warm_start.py)
-    "keep_best": set(ckpt_lib.KEEP_BEST_DEFAULTS),  # the best checkpoint by a metric (prolip_jax/checkpoint.py)
+    **{section: set(defaults) for section, defaults in SECTION_DEFAULTS.items()},
 }
 
 
@@ -399,8 +405,8 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
 # =====================================================================================
 def with_defaults(config):
     """`config` with the sections and fields it leaves out set to the defaults declared beside
-    the code that uses them: `init` (warm_start.DEFAULTS), `keep_best` (checkpoint.KEEP_BEST_DEFAULTS),
-    the fine-tuning controls of `optim` (optim.FINETUNE_DEFAULTS) and every field of
+    the code that uses them: the SECTION_DEFAULTS, the fine-tuning controls of `optim`
+    (optim.FINETUNE_DEFAULTS) and every field of
     input_pipeline.DataConfig, so `--config.<section>.<any field>=...` works (None defaults
     become typed placeholders: ml_collections cannot override a plain None)."""
     import dataclasses
@@ -412,10 +418,9 @@ def with_defaults(config):
 
     hints = typing.get_type_hints(DataConfig)
     with config.unlocked():
-        if "init" not in config:
-            config.init = dict(warm_start.DEFAULTS)
-        if "keep_best" not in config:
-            config.keep_best = dict(ckpt_lib.KEEP_BEST_DEFAULTS)
+        for section, defaults in SECTION_DEFAULTS.items():
+            if section not in config:
+                config[section] = dict(defaults)
         for key, value in optim.FINETUNE_DEFAULTS.items():
             if key not in config.optim:
                 config.optim[key] = value
