@@ -44,8 +44,9 @@ def get_config(arg=None):
         raise ValueError(f"unknown evaluators {unknown}; known: {ALL + OPTIONAL}")
     if "zeroshot" in evals:   # 36 colour x shape classes, 4 templates (paper §4.2 protocol)
         c.evals.zeroshot = dict(type="zeroshot", dataset="demo", task="object", demo=demo)
-    if "retrieval" in evals:  # one level-3 caption per image
-        c.evals.retrieval = dict(type="retrieval", dataset="demo", demo=demo, scores=("csd", "dot"))
+    if "retrieval" in evals:  # one level-3 caption per image: no image->image or text->text positives
+        c.evals.retrieval = dict(type="retrieval", dataset="demo", demo=demo, scores=("csd", "dot"),
+                                 same_modality=())
     if "uncertainty" in evals:  # four caption levels per image (paper §4.3, C.6)
         c.evals.uncertainty = dict(type="uncertainty", dataset="demo", split="levels", demo=demo,
                                    image_keep_ratio=0.75, text_mask_prob=0.75, inclusion_eps=0.0)
