@@ -40,6 +40,11 @@ from typing import Any
 # imported lazily so that one objective's import never slows or breaks the others.
 REGISTRY: dict[str, str] = {
     "prolip": "prolip_jax.objectives.prolip",
+    "pcmepp": "prolip_jax.objectives.pcmepp",
+    "pishdad": "prolip_jax.objectives.pishdad",
+    "clip": "prolip_jax.objectives.contrastive:clip",
+    "siglip": "prolip_jax.objectives.contrastive:siglip",
+    "vse": "prolip_jax.objectives.contrastive:vse",
 }
 
 
