@@ -41,6 +41,20 @@ class PretrainedProLIP:
         self.module = ProLIP(self.config, dtype=self.dtype)
         self.encoder = Encoder(self.module, batch_size=self.batch_size)
 
+    def summary(self) -> str:
+        """The parameter table (names, shapes, sizes; clu.parameter_overview) with per-tower totals."""
+        from prolip_jax import overview
+
+        return overview.parameter_table(self.params)
+
+    def __repr__(self) -> str:
+        from prolip_jax import overview
+
+        totals = overview.tower_totals(self.params)
+        towers = ", ".join(f"{k} {v:,}" for k, v in totals.items())
+        return (f"PretrainedProLIP({sum(totals.values()):,} parameters: {towers}; embed_dim={self.config.embed_dim}, "
+                f"step={self.step}, dtype={jnp.dtype(self.dtype).name}; .summary() prints the parameter table)")
+
     @property
     def logit_scale(self) -> float:
         """a = exp(logit_scale)."""

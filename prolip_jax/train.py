@@ -9,6 +9,7 @@ optimiser, step and the data iterator's position); SIGTERM saves a checkpoint an
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -24,13 +25,14 @@ import orbax.checkpoint as ocp
 
 from prolip_jax import checkpoint as ckpt_lib
 from prolip_jax import flops as flops_lib
-from prolip_jax import losses, optim, sharding
+from prolip_jax import losses, optim, overview, profiling, sharding
 from prolip_jax import step as step_lib
 from prolip_jax.data import build_train_data
 from prolip_jax.metrics import MetricWriter
 from prolip_jax.models import ProLIP, ProLIPConfig, abstract_params, get_config
 from prolip_jax.models.transformer import REMAT_POLICIES
 from prolip_jax.pretrained import warm_start
+from prolip_jax.window import Window
 from input_pipeline.config import SOURCES as DATA_SOURCES
 
 
@@ -67,6 +69,7 @@ def step_config(config) -> step_lib.StepConfig:
 SECTION_DEFAULTS = {
     "init": warm_start.DEFAULTS,  # a pretrained model to start from (prolip_jax/pretrained/warm_start.py)
     "keep_best": ckpt_lib.KEEP_BEST_DEFAULTS,  # the best checkpoint by a metric (prolip_jax/checkpoint.py)
+    "profile": dataclasses.asdict(profiling.ProfileConfig()),  # a jax.profiler trace (prolip_jax/profiling.py)
 }
 
 # The fields a trainer config has (configs/*.py); `data` is checked by input_pipeline.DataConfig.
@@ -225,6 +228,8 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
     mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
     mcfg = model_config(config)
     validate(config, mesh, mcfg)
+    profile = profiling.ProfileConfig.from_config(config.profile)
+    profile.check(config.total_steps)
     scfg = step_config(config)
     model = ProLIP(mcfg, dtype=jnp.dtype(config.model.dtype), attention_impl=config.model.attention_impl,
                    remat=config.model.remat)
@@ -265,6 +270,8 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
         state = restore(mngr, start, model, tx, state_sh, mesh, config, param_shapes, data)
         if is_chief:
             print(f"resumed from {workdir / 'checkpoints' / str(start)} (step {start})", flush=True)
+    if is_chief:  # clu.parameter_overview's table with per-tower totals and shardings (overview.py)
+        print(overview.write_parameter_table(workdir, state.params), flush=True)
 
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
@@ -315,6 +322,10 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
         return f"The last good checkpoint is step {good} in {workdir / 'checkpoints'}."
 
     # ---- The loop --------------------------------------------------------------------------
+    window = Window(replicated)  # every step's metrics, reduced over the log window on device (window.py)
+    profiler = profiling.Profiler(profile, workdir, config.total_steps, is_chief)
+    if is_chief and profiler.skipped_note(start):
+        print(profiler.skipped_note(start), flush=True)
     last_metrics: dict[str, Any] = {}
     prev_metrics = None
     in_a_row = 0
@@ -323,8 +334,11 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
     try:
         while step < config.total_steps:
             batch = sharding.global_batch(next(data), mesh)
+            profiler.before_step(step)
             state, metrics = train_step(state, batch)
+            window.add(metrics)
             step += 1
+            profiler.after_step(step, (state, metrics))
             if step in rebuild_at:  # optim.unlock_step: the locked parameters join the optimiser
                 tx, schedule = make_optimizer(step)
                 state_sh = step_lib.state_shardings(model, tx, mesh, config.sharding_rules)
@@ -344,7 +358,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
                     f"or update and were skipped; stopping (check optim.lr, optim.eps and the data). "
                     f"{last_good_checkpoint()}")
             if step % config.log_steps == 0 or step == config.total_steps:
-                values: dict[str, Any] = {k: float(to_host(v)) for k, v in metrics.items()}
+                values: dict[str, Any] = {k: float(to_host(v)) for k, v in window.result().items()}
                 dt = (time.time() - t_log) / max(step - step_log, 1)
                 t_log, step_log = time.time(), step
                 values.update({
@@ -391,6 +405,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
         mngr.wait_until_finished()
         return last_metrics
     finally:
+        profiler.stop()
         signal.signal(signal.SIGTERM, previous_handler)
         mngr.wait_until_finished()
         mngr.close()
