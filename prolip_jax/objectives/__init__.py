@@ -45,6 +45,10 @@ REGISTRY: dict[str, str] = {
     "clip": "prolip_jax.objectives.contrastive:clip",
     "siglip": "prolip_jax.objectives.contrastive:siglip",
     "vse": "prolip_jax.objectives.contrastive:vse",
+    "pcme": "prolip_jax.objectives.pcme",
+    "pcme_daa": "prolip_jax.objectives.daa:pcme_daa",
+    "vse_daa": "prolip_jax.objectives.daa:vse_daa",
+    "smooth_ap": "prolip_jax.objectives.smooth_ap",
 }
 
 
