@@ -12,12 +12,13 @@ directory and renames it when complete, so an interrupted save never looks like 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import jax
 import orbax.checkpoint as ocp
@@ -193,11 +194,16 @@ def restore_data_state(directory: str | os.PathLike, data: Any) -> None:
 # `--save-best-unc`) keeps the checkpoint whose uncertainty-vs-accuracy bin correlation is the
 # most negative, starting from 0 (`prev_best_unc > unc`): metric = a zeroshot evaluator's
 # "unc_corr_csd", mode "min", baseline 0.
-KEEP_BEST_DEFAULTS = dict(
-    metric="",  # a logged metric name, e.g. "eval/zeroshot/imagenet/unc_corr_csd"; "" = off
-    mode="min",  # one of KEEP_BEST_MODES: which direction is better
-    baseline=0.0,  # a value must beat this (and every earlier one) to be kept
-)
+@dataclasses.dataclass(frozen=True)
+class KeepBestConfig:
+    """`config.keep_best`: keep the checkpoint whose logged `metric` was best so far."""
+
+    metric: str = ""  # a logged metric name, e.g. "eval/zeroshot/imagenet/unc_corr_csd"; "" = off
+    mode: Literal["min", "max"] = "min"  # which direction is better
+    baseline: float = 0.0  # a value must beat this (and every earlier one) to be kept
+
+
+KEEP_BEST_DEFAULTS = dataclasses.asdict(KeepBestConfig())
 KEEP_BEST_MODES = ("min", "max")
 
 

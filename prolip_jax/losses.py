@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from typing import Callable, Literal
 
 import jax
 import jax.numpy as jnp
@@ -54,11 +54,19 @@ def ppcl_logits(img_mu: jax.Array, img_logvar: jax.Array, txt_mu: jax.Array, txt
 
 
 def ppcl_loss(img_mu: jax.Array, img_logvar: jax.Array, txt_mu: jax.Array, txt_logvar: jax.Array,
-              scale: jax.Array, bias: jax.Array) -> jax.Array:
-    """-sum log sigmoid(z_ij * logit_ij) / B with z = 2I - 1 (paper eq. 2, REFERENCE §2.2)."""
+              scale: jax.Array, bias: jax.Array, targets: jax.Array | None = None) -> jax.Array:
+    """-sum log sigmoid(z_ij * logit_ij) / B with z = 2I - 1 (paper eq. 2, REFERENCE §2.2).
+
+    targets: [B_img, B_txt] match targets m in [0, 1] instead of the identity; the loss is then
+    the BCE -sum [m log sigmoid(l) + (1 - m) log sigmoid(-l)] / B, which for 0/1 targets is
+    the same sum with z = 2m - 1 (several positives per row: identical captions, one image's
+    captions) and for fractional m the soft labels of MSDA (PCME++, seed 003 §2.4)."""
     logits = ppcl_logits(img_mu, img_logvar, txt_mu, txt_logvar, scale, bias)
-    labels = 2.0 * jnp.eye(logits.shape[0], logits.shape[1], dtype=logits.dtype) - 1.0
-    return -jnp.sum(jax.nn.log_sigmoid(labels * logits)) / img_mu.shape[0]
+    if targets is None:
+        labels = 2.0 * jnp.eye(logits.shape[0], logits.shape[1], dtype=logits.dtype) - 1.0
+        return -jnp.sum(jax.nn.log_sigmoid(labels * logits)) / img_mu.shape[0]
+    t = targets.astype(logits.dtype)
+    return -jnp.sum(t * jax.nn.log_sigmoid(logits) + (1.0 - t) * jax.nn.log_sigmoid(-logits)) / img_mu.shape[0]
 
 
 # ---------------------------------------------------------------------------------- inclusion
@@ -129,7 +137,7 @@ class LossConfig:
     alpha_masked: float = 1e-3  # alpha_2: original in masked, image and text each
     inclusion_eps: float = -20.0  # log-space epsilon; -100 with c = 10 is the recommended setting
     inclusion_scale: float = 1000.0  # c
-    vib_form: str = "reference"
+    vib_form: Literal["reference", "kl"] = "reference"
     inclusion_threshold: float = 1e5
     vib_threshold: float = 1e4
 
@@ -144,7 +152,8 @@ def num_masked(batch: int, fraction: float) -> int:
 def prolip_loss(out: dict[str, jax.Array], masked: dict[str, jax.Array] | None = None,
                 masked_rows: jax.Array | None = None,
                 config: LossConfig = LossConfig(),
-                ppcl_fn: Callable | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                ppcl_fn: Callable | None = None, targets: jax.Array | None = None
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The ProLIP objective. Returns (total, terms), each term already weighted.
 
     out: model outputs for the batch: `image_mean`, `image_logvar`, `text_mean`, `text_logvar`
@@ -155,11 +164,14 @@ def prolip_loss(out: dict[str, jax.Array], masked: dict[str, jax.Array] | None =
       (default). The trainer spreads them over the data shards.
     ppcl_fn: replaces `ppcl_loss` (same signature), e.g. the ring implementation whose memory
       per device is O(b_local^2) (`ring_loss.py`); same value.
+    targets: [B, B] match targets for PPCL (`ppcl_loss`); None = the identity.
     """
     c = config
     im, il, tm, tl = out["image_mean"], out["image_logvar"], out["text_mean"], out["text_logvar"]
     ppcl = ppcl_fn or ppcl_loss
-    terms = {"ppcl": c.ppcl_weight * ppcl(im, il, tm, tl, out["logit_scale"], out["logit_bias"])}
+    ppcl_args = (im, il, tm, tl, out["logit_scale"], out["logit_bias"])
+    ppcl_value = ppcl(*ppcl_args) if targets is None else ppcl(*ppcl_args, targets)
+    terms = {"ppcl": c.ppcl_weight * ppcl_value}
     inc = dict(eps=c.inclusion_eps, scale=c.inclusion_scale, threshold=c.inclusion_threshold)
     if masked is not None:
         m = masked["image_mean"].shape[0]

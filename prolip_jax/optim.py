@@ -31,6 +31,7 @@ Decoupled weight decay follows torch's AdamW per parameter group: p -= lr * lr_m
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -43,9 +44,34 @@ import optax
 NO_DECAY_SUBSTRINGS = ("bn", "ln", "bias", "logit_scale")
 MAX_LOGIT_SCALE = math.log(100.0)
 
-# The fine-tuning fields of `config.optim` and their defaults (the defaults train everything with
-# today's single AdamW, state layout included).
-FINETUNE_DEFAULTS = dict(locked=(), unlock_step=0, groups=(), layer_decay=1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """`config.optim`. Defaults: the reference's B/16 DataComp recipe (REFERENCE §5)."""
+
+    lr: float = 5e-4
+    warmup_steps: int = 10_000
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-6
+    weight_decay: float = 0.2
+    clip_norm: float = 0.0  # global-norm clipping; 0 = none (the reference clips nothing)
+    end_lr: float = 0.0  # where the cosine ends
+    # Fine-tuning controls (module docstring); the defaults train everything with one AdamW.
+    locked: Any = ()  # a pattern or a tuple of patterns
+    unlock_step: int = 0
+    groups: Any = ()  # dicts of GROUP_KEYS
+    layer_decay: float = 1.0
+
+    def validate(self) -> None:
+        if self.lr < 0 or self.warmup_steps < 0:
+            raise ValueError(f"config.optim.lr and warmup_steps must be >= 0, got {self.lr}, {self.warmup_steps}")
+        finetune_config(dataclasses.asdict(self))
+
+
+# The fine-tuning fields of `config.optim` and their defaults.
+FINETUNE_DEFAULTS = {k: getattr(OptimConfig(), k) for k in ("locked", "unlock_step", "groups", "layer_decay")}
 GROUP_KEYS = ("pattern", "lr_mult", "weight_decay")
 
 # Parameters before the first transformer block of a tower (layer-wise lr decay's "layer 0").

@@ -6,6 +6,7 @@ axes, e.g. replicated (every name -> None), FSDP ('embed' -> 'fsdp') or tensor-p
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Sequence
 
@@ -15,6 +16,18 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 BATCH_AXES = ("data", "fsdp")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """`config.mesh`: one entry of `shape` may be -1 (all remaining devices)."""
+
+    shape: tuple[int, ...] = (-1, 1, 1)
+    axes: tuple[str, ...] = ("data", "fsdp", "tensor")
+
+    def validate(self) -> None:
+        if len(self.shape) != len(self.axes):
+            raise ValueError(f"config.mesh.shape {self.shape} and axes {self.axes} differ in length")
 
 # Ready-made rule sets, selectable by name in a config (`sharding_rules = "fsdp"`).
 RULES: dict[str, tuple[tuple[str, Any], ...]] = {

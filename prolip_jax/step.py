@@ -30,10 +30,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from input_pipeline.transforms import normalize_on_device
-from prolip_jax import losses, sharding
+from prolip_jax import losses, objectives, sharding
 from prolip_jax.models.prolip import ProLIP, dummy_inputs, mask_text_tokens, num_kept_patches
 from prolip_jax import optim
 from prolip_jax.optim import clamp_logit_scale
+from prolip_jax.targets import TargetsConfig, batch_targets
 
 FEATURES = ("image_mean", "image_logvar", "text_mean", "text_logvar")
 
@@ -53,18 +54,50 @@ def all_finite(tree: Any) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class StepConfig:
-    loss: losses.LossConfig = losses.LossConfig()
-    masked_fraction: float = 0.125  # of every group of `mask_group` consecutive rows
-    mask_group: int = 8  # must divide the rows per data shard
+class MaskingConfig:
+    """ProLIP's masked forward (`config.masking`; REFERENCE §2.6). Only objectives with
+    USES_MASKED run it. The ids must be special tokens of the tokenizer: [MASK] replaces text
+    tokens, protected ids (pad, EOS) are never masked."""
+
+    fraction: float = 0.125  # of every group of `group` consecutive rows
+    group: int = 8  # must divide the rows per data shard
     image_keep_ratio: float = 0.75  # the reference's `drop_prob` is a *keep* ratio for images
     text_mask_prob: float = 0.75
     mask_token_id: int = 32000  # `<extra_id_99>` in the SigLIP vocab
     protected_ids: tuple[int, ...] = (1,)  # pad == EOS
+
+    def validate(self) -> None:
+        for name in ("fraction", "image_keep_ratio", "text_mask_prob"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"config.masking.{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.group < 1:
+            raise ValueError(f"config.masking.group must be >= 1, got {self.group}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    objective: str = "prolip"  # a name in prolip_jax.objectives.REGISTRY
+    loss: Any = None  # that objective's Config; None = its defaults
+    masking: MaskingConfig = MaskingConfig()
+    targets: TargetsConfig = TargetsConfig()
     microbatches: int = 1
     seed: int = 0
-    ppcl_impl: str = "dense"  # "dense" (B x B sharded logits) or "ring" (shard_map + ppermute)
     normalization: str = "openai"  # for uint8 batches, normalised on device (cheaper on the host)
+
+    @property
+    def module(self) -> Any:
+        return objectives.get(self.objective)
+
+    @property
+    def loss_config(self) -> Any:
+        return self.module.Config() if self.loss is None else self.loss
+
+    @property
+    def masked_group_rows(self) -> int:
+        """Masked rows per group of `masking.group` rows (0: no masked forward)."""
+        if not self.module.USES_MASKED:
+            return 0
+        return losses.num_masked(self.masking.group, self.masking.fraction)
 
 
 # --------------------------------------------------------------------------------- state
@@ -129,7 +162,7 @@ def merge_microbatches(x: jax.Array, n_shards: int) -> jax.Array:
 
 def num_masked_rows(global_batch: int, cfg: StepConfig) -> int:
     """Rows of the global batch that get a masked forward (`group_rows` of every mask group)."""
-    return global_batch // cfg.mask_group * losses.num_masked(cfg.mask_group, cfg.masked_fraction)
+    return global_batch // cfg.masking.group * cfg.masked_group_rows
 
 
 def check_batch_layout(global_batch: int, n_shards: int, cfg: StepConfig) -> None:
@@ -139,8 +172,9 @@ def check_batch_layout(global_batch: int, n_shards: int, cfg: StepConfig) -> Non
         problems.append(f"global batch {global_batch} is not divisible by the {n_shards} data shards")
     else:
         b_shard = global_batch // n_shards
-        if b_shard % cfg.mask_group:
-            problems.append(f"rows per data shard ({b_shard}) must be a multiple of mask_group ({cfg.mask_group})")
+        if cfg.masked_group_rows and b_shard % cfg.masking.group:
+            problems.append(f"rows per data shard ({b_shard}) must be a multiple of masking.group "
+                            f"({cfg.masking.group})")
         elif b_shard % cfg.microbatches or num_masked_rows(b_shard, cfg) % cfg.microbatches:
             problems.append(f"rows per data shard ({b_shard}) and its masked rows "
                             f"({num_masked_rows(b_shard, cfg)}) must divide into {cfg.microbatches} microbatches")
@@ -161,12 +195,12 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
     """
     n_shards = sharding.num_batch_shards(mesh)
     check_batch_layout(global_batch, n_shards, cfg)
-    g = cfg.mask_group
-    m_group = losses.num_masked(g, cfg.masked_fraction)
+    g = cfg.masking.group
+    m_group = cfg.masked_group_rows  # 0 unless the objective uses ProLIP's masked forward
+    objective, loss_cfg = cfg.module, cfg.loss_config
     k = cfg.microbatches
     num_patches = model.config.vision.num_patches
     masked_rows = (jnp.arange(global_batch // g)[:, None] * g + jnp.arange(m_group)[None]).reshape(-1)
-    ppcl = _ppcl_fn(cfg.ppcl_impl, mesh)
     # Differentiating only w.r.t. the trainable leaves (optim.partition: None where the other
     # part holds the leaf) is what keeps a locked tower from costing its weight-gradient matmuls.
     join = optim.combine
@@ -175,21 +209,23 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
         out = model.apply({"params": params}, images, tokens, image_keep_idx=keep_idx)
         return {key: out[key] for key in FEATURES}
 
-    def loss_from_features(feats, mfeats, logit_scale, logit_bias):
-        out = {**feats, "logit_scale": jnp.exp(logit_scale), "logit_bias": logit_bias}
-        return losses.prolip_loss(out, mfeats, masked_rows if m_group else None, cfg.loss, ppcl_fn=ppcl)
+    def loss_from_features(feats, mfeats, logit_scale, logit_bias, ctx):
+        """ctx: what the objective reads besides features: tokens, targets, rng (no gradient)."""
+        out = {**feats, "logit_scale": jnp.exp(logit_scale), "logit_bias": logit_bias, "text": ctx["text"]}
+        return objective.loss(out, loss_cfg, targets=ctx["targets"], masked=mfeats,
+                              masked_rows=masked_rows if m_group else None, rng=ctx["rng"], mesh=mesh)
 
-    def grads_one_batch(train, frozen, images, tokens, m_images, m_tokens, keep_idx):
+    def grads_one_batch(train, frozen, images, tokens, m_images, m_tokens, keep_idx, ctx):
         def total(t):
             p = join(t, frozen)
             f = features(p, images, tokens)
             mf = features(p, m_images, m_tokens, keep_idx) if m_group else None
-            loss, terms = loss_from_features(f, mf, p["logit_scale"], p["logit_bias"])
+            loss, terms = loss_from_features(f, mf, p["logit_scale"], p["logit_bias"], ctx)
             return loss, (terms, f)
         (loss, (terms, f)), grads = jax.value_and_grad(total, has_aux=True)(train)
         return loss, terms, f, grads
 
-    def grads_cached(train, frozen, images, tokens, m_images, m_tokens, keep_idx):
+    def grads_cached(train, frozen, images, tokens, m_images, m_tokens, keep_idx, ctx):
         params = join(train, frozen)
         split_mb = lambda x: split_microbatches(x, n_shards, k)  # noqa: E731
         merge_mb = lambda x: merge_microbatches(x, n_shards)  # noqa: E731
@@ -201,7 +237,8 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
         else:
             mf = None
         (loss, terms), (g_f, g_mf, g_scale, g_bias) = jax.value_and_grad(
-            loss_from_features, argnums=(0, 1, 2, 3), has_aux=True)(f, mf, params["logit_scale"], params["logit_bias"])
+            loss_from_features, argnums=(0, 1, 2, 3), has_aux=True)(f, mf, params["logit_scale"],
+                                                                    params["logit_bias"], ctx)
 
         def pull_back(acc, xs, keep=None):
             imgs, toks, g = xs
@@ -222,17 +259,21 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
         images, tokens = batch["image"], batch["text"]
         if images.dtype == jnp.uint8:
             images = normalize_on_device(images, cfg.normalization)
-        rng_img, rng_txt = jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), state.step))
+        rng_img, rng_txt, rng_mix, rng_loss = jax.random.split(
+            jax.random.fold_in(jax.random.key(cfg.seed), state.step), 4)
+        images, targets = batch_targets(rng_mix, images, tokens, batch.get("image_id"), cfg.targets)
+        ctx = {"text": tokens, "targets": targets, "rng": rng_loss}
+        mk = cfg.masking
         m_images = group_rows(images, g, m_group)
-        m_tokens = mask_text_tokens(rng_txt, group_rows(tokens, g, m_group), cfg.mask_token_id,
-                                    cfg.text_mask_prob, cfg.protected_ids)
+        m_tokens = mask_text_tokens(rng_txt, group_rows(tokens, g, m_group), mk.mask_token_id,
+                                    mk.text_mask_prob, mk.protected_ids)
         # One subset of patches shared by the masked sub-batch, as the reference draws it.
         keep_idx = jnp.sort(jax.random.permutation(rng_img, num_patches)[
-            :num_kept_patches(num_patches, cfg.image_keep_ratio)])
+            :num_kept_patches(num_patches, mk.image_keep_ratio)])
         grad_fn = grads_one_batch if k == 1 else grads_cached
         mask = jax.tree.map(lambda _: True, state.params) if trainable is None else trainable
         train, frozen = optim.partition(state.params, mask)
-        loss, terms, f, grads = grad_fn(train, frozen, images, tokens, m_images, m_tokens, keep_idx)
+        loss, terms, f, grads = grad_fn(train, frozen, images, tokens, m_images, m_tokens, keep_idx, ctx)
         grads = join(grads, jax.tree.map(jnp.zeros_like, frozen))
 
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -245,7 +286,8 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
         metrics = {
             "loss": loss, **{f"loss/{name}": v for name, v in terms.items()},
             "a": jnp.exp(state.params["logit_scale"]), "b": state.params["logit_bias"],
-            "sigma2/image": jnp.mean(jnp.exp(f["image_logvar"])), "sigma2/text": jnp.mean(jnp.exp(f["text_logvar"])),
+            **{f"sigma2/{side}": jnp.mean(jnp.exp(f[f"{side}_logvar"])) for side in ("image", "text")
+               if f[f"{side}_logvar"] is not None},
             "lr": schedule(_opt_count(state.opt_state)), "grad_norm": optax.tree.norm(grads),
             "nonfinite": (~finite).astype(jnp.int32),
         }
@@ -259,13 +301,3 @@ def _opt_count(opt_state: Any) -> jax.Array:
     is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
     states = [s for s in jax.tree.leaves(opt_state, is_leaf=is_sched) if is_sched(s)]
     return states[0].count if states else jnp.zeros((), jnp.int32)
-
-
-def _ppcl_fn(impl: str, mesh: Mesh) -> Callable | None:
-    if impl == "dense":
-        return None  # losses.ppcl_loss on the sharded arrays; XLA shards the B x B logits
-    if impl == "ring":
-        from prolip_jax.ring_loss import ppcl_loss_ring
-
-        return lambda *args: ppcl_loss_ring(*args, mesh=mesh, batch_axes=sharding.batch_axes(mesh))
-    raise ValueError(f"unknown ppcl_impl {impl!r}; use 'dense' or 'ring'")

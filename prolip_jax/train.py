@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -25,13 +25,15 @@ import orbax.checkpoint as ocp
 
 from prolip_jax import checkpoint as ckpt_lib
 from prolip_jax import flops as flops_lib
-from prolip_jax import losses, optim, overview, profiling, sharding
+from prolip_jax import objectives, optim, overview, profiling, schema, sharding
 from prolip_jax import step as step_lib
 from prolip_jax.data import build_train_data
 from prolip_jax.metrics import MetricWriter
 from prolip_jax.models import ProLIP, ProLIPConfig, abstract_params, get_config
+from prolip_jax.models.config import PAPER_INIT_LOGIT_SCALE
 from prolip_jax.models.transformer import REMAT_POLICIES
 from prolip_jax.pretrained import warm_start
+from prolip_jax.targets import TargetsConfig
 from prolip_jax.window import Window
 from input_pipeline.config import SOURCES as DATA_SOURCES
 
@@ -39,94 +41,152 @@ from input_pipeline.config import SOURCES as DATA_SOURCES
 # =====================================================================================
 # Configuration: everything is checked before anything compiles.
 # =====================================================================================
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """The top-level fields of a trainer config (configs/*.py); the sections are in SECTIONS."""
+
+    total_steps: int
+    batch_size: int  # global
+    seed: int = 0
+    microbatches: int = 1  # gradient caching over k microbatches (step.py)
+    sharding_rules: Any = "replicated"  # a name in sharding.RULES or ((logical, mesh axis), ...)
+    log_steps: int = 50
+    checkpoint_steps: int = 1000
+    keep_checkpoints: int = 3
+    max_nonfinite_in_a_row: int = 10  # skipped updates in a row before the run stops
+    evals: Any = dataclasses.field(default_factory=dict)  # name -> evaluator config (build_evaluators)
+
+    def validate(self) -> None:
+        for name in ("total_steps", "batch_size", "microbatches", "log_steps", "checkpoint_steps",
+                     "keep_checkpoints", "max_nonfinite_in_a_row"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"config.{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """`config.model`: which towers, at which precision. `vision` / `text` override fields of
+    the variant's VisionConfig / TextConfig (prolip_jax/models/config.py), e.g. the heads and
+    pooling of the other methods: `model.text = dict(pool="gpo")`."""
+
+    variant: str = "tiny"  # a name in prolip_jax.models.VARIANTS
+    config_json: str = ""  # or a reference config.json (any size), used instead of `variant`
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute; params stay float32
+    remat: str = dataclasses.field(default="none", metadata={"choices": tuple(REMAT_POLICIES)})
+    attention_impl: Literal["auto", "xla", "cudnn"] = "auto"
+    init_logit_scale: float = PAPER_INIT_LOGIT_SCALE  # log a
+    init_logit_bias: float | None = None  # b; None: the variant's (ProLIP: -10)
+    vision: Any = dataclasses.field(default_factory=dict)
+    text: Any = dataclasses.field(default_factory=dict)
+
+
+# The config's sections and the dataclass declaring each one's fields, beside the code that uses
+# them. `loss` is the selected objective's Config (prolip_jax/objectives/); `data` is
+# input_pipeline.DataConfig (validated by the pipeline when it is built, before compiling).
+SECTIONS: dict[str, type] = {
+    "model": ModelOptions,
+    "masking": step_lib.MaskingConfig,  # ProLIP's masked forward
+    "targets": TargetsConfig,  # positives and MSDA (prolip_jax/targets.py)
+    "optim": optim.OptimConfig,
+    "mesh": sharding.MeshConfig,
+    "init": warm_start.InitConfig,  # a pretrained model to start from (prolip_jax/pretrained/warm_start.py)
+    "keep_best": ckpt_lib.KeepBestConfig,  # the best checkpoint by a metric (prolip_jax/checkpoint.py)
+    "profile": profiling.ProfileConfig,  # a jax.profiler trace of a few steps (prolip_jax/profiling.py)
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Parsed:
+    """The typed view of a trainer config (`parse_config`)."""
+
+    run: RunConfig
+    sections: dict[str, Any]
+    objective: str
+    loss: Any
+
+    def __getattr__(self, name: str) -> Any:
+        if name in SECTIONS:
+            return self.sections[name]
+        raise AttributeError(name)
+
+
+def objective_name(config) -> str:
+    return config.loss.get("objective", "prolip") if "loss" in config else "prolip"
+
+
+def parse_config(config) -> Parsed:
+    """Every field of `config` checked against its declaration: unknown fields, wrong types and
+    values outside a field's choices are one-line ValueErrors / TypeErrors."""
+    schema.check_keys(config.keys(), {*schema.fields(RunConfig), *SECTIONS, "loss", "data"}, "config")
+    run = schema.parse(RunConfig, {k: config[k] for k in schema.fields(RunConfig) if k in config}, "config")
+    sections = {name: schema.parse(cls, config.get(name), f"config.{name}") for name, cls in SECTIONS.items()}
+    name = objective_name(config)
+    module = objectives.get(name)
+    loss = schema.parse(module.Config, {k: v for k, v in (config.get("loss") or {}).items() if k != "objective"},
+                        f"config.loss (objective {name!r})")
+    if "data" in config:
+        from input_pipeline.config import DataConfig
+
+        schema.check_keys(config.data.keys(), schema.fields(DataConfig), "config.data")
+        if config.data.get("source") not in ("random", *DATA_SOURCES):
+            raise ValueError(f"config.data.source={config.data.get('source')!r} is not one of "
+                             f"{('random', *DATA_SOURCES)}")
+    return Parsed(run=run, sections=sections, objective=name, loss=loss)
+
+
 def model_config(config) -> ProLIPConfig:
-    m = config.model
-    if m.get("config_json"):
+    m = schema.parse(ModelOptions, config.model, "config.model")
+    if m.config_json:
         path = Path(m.config_json)
         if not path.is_file():
             raise FileNotFoundError(f"model.config_json={path} does not exist")
         cfg = ProLIPConfig.from_dict(json.loads(path.read_text()))
     else:
         cfg = get_config(m.variant)
-    return cfg.replace(init_logit_scale=float(m.init_logit_scale))
+    towers = {}
+    for side, overrides in (("vision", m.vision), ("text", m.text)):
+        if overrides:
+            base = getattr(cfg, side)
+            towers[side] = schema.parse(type(base), {**dataclasses.asdict(base), **overrides}, f"config.model.{side}")
+    bias = {} if m.init_logit_bias is None else {"init_logit_bias": m.init_logit_bias}
+    return cfg.replace(init_logit_scale=m.init_logit_scale, **bias, **towers)
 
 
 def step_config(config) -> step_lib.StepConfig:
-    lc, mk = config.loss, config.masking
-    loss = losses.LossConfig(
-        ppcl_weight=lc.ppcl_weight, vib_beta=lc.vib_beta, alpha_image_text=lc.alpha_image_text,
-        alpha_masked=lc.alpha_masked, inclusion_eps=lc.inclusion_eps, inclusion_scale=lc.inclusion_scale,
-        vib_form=lc.vib_form)
+    p = parse_config(config)
     return step_lib.StepConfig(
-        loss=loss, masked_fraction=mk.fraction, mask_group=mk.group, image_keep_ratio=mk.image_keep_ratio,
-        text_mask_prob=mk.text_mask_prob, mask_token_id=mk.mask_token_id, protected_ids=tuple(mk.protected_ids),
-        microbatches=config.microbatches, seed=config.seed, ppcl_impl=lc.ppcl_impl,
-        normalization=config.data.get("normalization", "openai"))
-
-
-# Config sections declared beside the code that uses them; a config file may leave them out
-# (`with_defaults` fills them in).
-SECTION_DEFAULTS = {
-    "init": warm_start.DEFAULTS,  # a pretrained model to start from (prolip_jax/pretrained/warm_start.py)
-    "keep_best": ckpt_lib.KEEP_BEST_DEFAULTS,  # the best checkpoint by a metric (prolip_jax/checkpoint.py)
-    "profile": dataclasses.asdict(profiling.ProfileConfig()),  # a jax.profiler trace (prolip_jax/profiling.py)
-}
-
-# The fields a trainer config has (configs/*.py); `data` is checked by input_pipeline.DataConfig.
-FIELDS = {
-    "": {"seed", "total_steps", "batch_size", "model", "data", "loss", "masking", "optim", "microbatches",
-         "mesh", "sharding_rules", "log_steps", "checkpoint_steps", "keep_checkpoints",
-         "max_nonfinite_in_a_row", "evals", *SECTION_DEFAULTS},
-    "model": {"variant", "config_json", "dtype", "remat", "attention_impl", "init_logit_scale"},
-    "loss": {"ppcl_weight", "vib_beta", "alpha_image_text", "alpha_masked", "inclusion_eps", "inclusion_scale",
-             "vib_form", "ppcl_impl"},
-    "masking": {"fraction", "group", "image_keep_ratio", "text_mask_prob", "mask_token_id", "protected_ids"},
-    "optim": {"lr", "warmup_steps", "b1", "b2", "eps", "weight_decay", "clip_norm", "end_lr",
-              *optim.FINETUNE_DEFAULTS},  # lock, unlock_step, groups, layer_decay: fine-tuning controls
-    "mesh": {"shape", "axes"},
-    **{section: set(defaults) for section, defaults in SECTION_DEFAULTS.items()},
-}
+        objective=p.objective, loss=p.loss, masking=p.masking, targets=p.targets,
+        microbatches=p.run.microbatches, seed=p.run.seed, normalization=config.data.get("normalization", "openai"))
 
 
 def check_fields(config) -> None:
-    for section, known in FIELDS.items():
-        keys = set((config[section] if section else config).keys())
-        missing, unknown = sorted(known - keys), sorted(keys - known)
-        where = f"config.{section}" if section else "config"
-        if unknown:
-            raise ValueError(f"unknown field(s) {unknown} in {where}; known: {sorted(known)}")
-        if missing:
-            raise ValueError(f"{where} lacks field(s) {missing}")
-
-
-# Values of the string fields that name a choice (checked here so a typo is one clear line).
-CHOICES = {
-    ("model", "dtype"): ("float32", "bfloat16", "float16"),
-    ("model", "attention_impl"): ("auto", "xla", "cudnn"),
-    ("model", "remat"): tuple(REMAT_POLICIES),
-    ("loss", "ppcl_impl"): ("dense", "ring"),
-    ("loss", "vib_form"): losses.VIB_FORMS,
-    ("data", "source"): ("random", *DATA_SOURCES),
-    ("keep_best", "mode"): ckpt_lib.KEEP_BEST_MODES,
-}
+    parse_config(config)
 
 
 def validate(config, mesh, mcfg: ProLIPConfig) -> None:
-    """Clear errors for a config that cannot run (batch layout, sizes, data paths)."""
-    check_fields(config)
-    for (section, key), valid in CHOICES.items():
-        if config[section][key] not in valid:
-            raise ValueError(f"config.{section}.{key}={config[section][key]!r} is not one of {valid}")
-    if config.total_steps <= 0:
-        raise ValueError(f"total_steps must be positive, got {config.total_steps}")
-    step_lib.check_batch_layout(config.batch_size, sharding.num_batch_shards(mesh), step_config(config))
-    if config.batch_size % jax.process_count():
-        raise ValueError(f"batch_size {config.batch_size} is not divisible by {jax.process_count()} hosts")
+    """Clear errors for a config that cannot run (fields, batch layout, sizes, combinations)."""
+    p = parse_config(config)
+    module = objectives.get(p.objective)
+    scfg = step_config(config)
+    step_lib.check_batch_layout(p.run.batch_size, sharding.num_batch_shards(mesh), scfg)
+    if p.run.batch_size % jax.process_count():
+        raise ValueError(f"batch_size {p.run.batch_size} is not divisible by {jax.process_count()} hosts")
     if config.data.image_size != mcfg.vision.image_size:
         raise ValueError(f"data.image_size={config.data.image_size} but the model expects "
                          f"{mcfg.vision.image_size} px images")
-    if not 0 <= config.masking.mask_token_id < mcfg.text.vocab_size:
-        raise ValueError(f"masking.mask_token_id={config.masking.mask_token_id} is outside the model's "
+    if module.NEEDS_LOGVAR and not (mcfg.vision.embed_unc and mcfg.text.embed_unc):
+        raise ValueError(f"config.loss.objective={p.objective!r} needs log sigma^2 from both towers, but the "
+                         f"model has no uncertainty head (embed_unc=False); use a probabilistic model or a "
+                         f"deterministic objective (clip, siglip, vse)")
+    if p.targets.soft and not module.SOFT_TARGETS:
+        raise ValueError(f"config.targets.mix_fraction={p.targets.mix_fraction} (MSDA) gives soft match targets, "
+                         f"which objective {p.objective!r} cannot take; set it to 0 or use an objective with "
+                         f"soft targets (prolip, pcmepp, siglip)")
+    if not p.targets.identity and getattr(p.loss, "ppcl_impl", "dense") == "ring":
+        raise ValueError("config.loss.ppcl_impl='ring' scores one positive per row; multi-positive or MSDA "
+                         "targets need ppcl_impl='dense'")
+    if scfg.masked_group_rows and not 0 <= p.masking.mask_token_id < mcfg.text.vocab_size:
+        raise ValueError(f"masking.mask_token_id={p.masking.mask_token_id} is outside the model's "
                          f"vocabulary of {mcfg.text.vocab_size}")
 
 
@@ -284,7 +344,8 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
     train_step = compile_step(start)
     rebuild_at = optim.rebuild_steps(config.optim.to_dict())
 
-    best = ckpt_lib.BestKeeper(workdir / "best", config.keep_best, mcfg) if config.keep_best.metric else None
+    best = (ckpt_lib.BestKeeper(workdir / "best", config.keep_best, mcfg, tokenizer=getattr(data, "tokenizer_file", None))
+            if config.keep_best.metric else None)
     evaluated: set[str] = set()  # evaluators that have run at least once, and every metric logged:
     logged: set[str] = set()  # keep_best's metric must be among them
 
@@ -297,7 +358,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
         locked = set(optim.locked_paths(param_shapes, config.optim.to_dict(), step))
         towers = tuple(t for t in ("visual", "text")
                        if all(p in locked for p in optim.param_paths(param_shapes) if p.startswith(t + "/")))
-        return flops_lib.train_step_flops(mcfg, config.batch_size, image_keep_ratio=scfg.image_keep_ratio,
+        return flops_lib.train_step_flops(mcfg, config.batch_size, image_keep_ratio=scfg.masking.image_keep_ratio,
                                           num_masked=m_count, locked_towers=towers)
 
     step_flops = count_step_flops(start)
@@ -419,36 +480,32 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
 # Command line.
 # =====================================================================================
 def with_defaults(config):
-    """`config` with the sections and fields it leaves out set to the defaults declared beside
-    the code that uses them: the SECTION_DEFAULTS, the fine-tuning controls of `optim`
-    (optim.FINETUNE_DEFAULTS) and every field of
-    input_pipeline.DataConfig, so `--config.<section>.<any field>=...` works (None defaults
-    become typed placeholders: ml_collections cannot override a plain None)."""
-    import dataclasses
-    import typing
-
-    from ml_collections import config_dict
-
+    """`config` with every field it leaves out set to the default declared beside the code that
+    uses it (RunConfig, SECTIONS, the objective's Config, input_pipeline.DataConfig), so
+    `--config.<section>.<any field>=...` works (None defaults become typed placeholders:
+    ml_collections cannot override a plain None)."""
     from input_pipeline.config import DataConfig
 
-    hints = typing.get_type_hints(DataConfig)
+    def fill(section, defaults):
+        for key, value in defaults.items():
+            if key not in section:
+                section[key] = value
+
     with config.unlocked():
-        for section, defaults in SECTION_DEFAULTS.items():
-            if section not in config:
-                config[section] = dict(defaults)
-        for key, value in optim.FINETUNE_DEFAULTS.items():
-            if key not in config.optim:
-                config.optim[key] = value
-        for field in dataclasses.fields(DataConfig):
-            if field.name in config.data or field.name == "batch_size":  # the trainer's batch_size rules
-                continue
-            default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
-            if field.name == "tokenizer":  # kwargs of input_pipeline.tokenizers.build_tokenizer
-                default = {"kind": "sentencepiece", "path": ""}
-            elif default is None:
-                scalar = [t for t in typing.get_args(hints[field.name]) if t in (bool, int, float, str)]
-                default = config_dict.placeholder(scalar[0])
-            config.data[field.name] = default
+        fill(config, schema.defaults(RunConfig))
+        for name, cls in SECTIONS.items():
+            if name not in config:
+                config[name] = {}
+            fill(config[name], schema.defaults(cls))
+        if "loss" not in config:
+            config.loss = {}
+        fill(config.loss, {"objective": objective_name(config), **schema.defaults(objectives.get(
+            objective_name(config)).Config)})
+        if "data" in config:
+            data_defaults = schema.defaults(DataConfig)
+            data_defaults.pop("batch_size")  # the trainer's batch_size rules
+            data_defaults["tokenizer"] = {"kind": "sentencepiece", "path": ""}  # build_tokenizer kwargs
+            fill(config.data, data_defaults)
     return config
 
 

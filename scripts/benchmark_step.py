@@ -90,7 +90,7 @@ def main() -> None:
 
     n = jax.device_count()
     m_count = step_lib.num_masked_rows(b, scfg)
-    step_flops = flops_lib.train_step_flops(mcfg, b, image_keep_ratio=scfg.image_keep_ratio, num_masked=m_count)
+    step_flops = flops_lib.train_step_flops(mcfg, b, image_keep_ratio=scfg.masking.image_keep_ratio, num_masked=m_count)
     kind = jax.devices()[0].device_kind
     mfu = flops_lib.mfu(step_flops, step_s, n, kind, model.dtype)
     print(f"device: {n} x {kind}; model {config.model.variant} ({config.model.dtype}); global batch {b}; "

@@ -7,20 +7,23 @@ its size. For those we check that the gradient really is noise-sized.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 import pytest
 
 from prolip_jax import losses, optim, sharding
 from prolip_jax import step as S
+from prolip_jax.objectives import prolip as prolip_objective
 from prolip_jax.models import ProLIP, get_config
 
 B = 32
-CFG = S.StepConfig(masked_fraction=0.5, mask_group=4, mask_token_id=63,
-                   loss=losses.LossConfig(alpha_image_text=1e-3))
+CFG = S.StepConfig(masking=S.MaskingConfig(fraction=0.5, group=4, mask_token_id=63),
+                   loss=prolip_objective.Config(alpha_image_text=1e-3))
 OPTIM = dict(lr=1e-3, warmup_steps=2, b1=0.9, b2=0.95, eps=1e-6, weight_decay=0.2)
 
 
@@ -45,7 +48,8 @@ def run(setup, shape, rules, microbatches=1, batch=None, steps=1, ppcl_impl="den
     state, _ = S.create_train_state(model, tx, mesh, rules, seed=0)
     key = (shape, rules, microbatches, ppcl_impl)
     if key not in _COMPILED:
-        cfg = S.StepConfig(**{**CFG.__dict__, "microbatches": microbatches, "ppcl_impl": ppcl_impl})
+        cfg = dataclasses.replace(CFG, microbatches=microbatches,
+                                  loss=dataclasses.replace(CFG.loss, ppcl_impl=ppcl_impl))
         _COMPILED[key] = jax.jit(S.make_train_step(model, tx, schedule, cfg, mesh, B))
     step = _COMPILED[key]
     gb = sharding.global_batch(default_batch if batch is None else batch, mesh)
@@ -187,7 +191,7 @@ def test_schedule_matches_reference():
 def test_batch_layout_errors():
     with pytest.raises(ValueError, match="not divisible by the 8 data shards"):
         S.check_batch_layout(60, 8, S.StepConfig())
-    with pytest.raises(ValueError, match="multiple of mask_group"):
+    with pytest.raises(ValueError, match="multiple of masking.group"):
         S.check_batch_layout(8 * 12, 8, S.StepConfig())
     with pytest.raises(ValueError, match="3 microbatches"):
         S.check_batch_layout(8 * 16, 8, S.StepConfig(microbatches=3))

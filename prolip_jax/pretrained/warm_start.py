@@ -27,29 +27,37 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import numpy as np
 
 from prolip_jax.models.config import ProLIPConfig
 
 # `config.init` knobs (the trainer's config section; ml_collections cannot hold None, hence "").
-DEFAULTS = dict(
-    # A pretrained model to start from: a file (.safetensors, .npz), a folder (Hugging Face /
-    # open_clip layout, a prolip_jax checkpoint) or a Hugging Face repo id. "" = no warm start.
-    path="",
+@dataclasses.dataclass(frozen=True)
+class InitConfig:
+    """`config.init`: a pretrained model to start from."""
+
+    # A file (.safetensors, .npz), a folder (Hugging Face / open_clip layout, a prolip_jax
+    # checkpoint) or a Hugging Face repo id. "" = no warm start.
+    path: str = ""
     # 'auto' detects the family; or 'prolip' | 'open_clip' | 'timm_siglip' | 'big_vision'.
-    format="auto",
+    format: str = "auto"
     # The source architecture when the files do not carry it (an open_clip model name such as
     # 'ViT-B-32-quickgelu', or a ProLIP variant name); "" = read it from the files.
-    arch="",
+    arch: str = ""
     # Text position rows kept as they are before the rest is linearly interpolated to another
     # context length (LongProLIP / Long-CLIP: 20). 0 = interpolate every token row.
-    text_pos_keep=20,
+    text_pos_keep: int = 20
     # Rows of a larger target vocabulary: 'zeros' (the issue's zero padding) or 'fresh' (the
     # target's initialisation, which is what naver-ai/prolip `resize_prolip_tok_embed` does).
-    vocab_pad="zeros",
-)
+    vocab_pad: Literal["zeros", "fresh"] = "zeros"
+
+    def validate(self) -> None:
+        resolve_init_config(dataclasses.asdict(self))
+
+
+DEFAULTS = dataclasses.asdict(InitConfig())
 
 KINDS = ("loaded", "resized", "new", "dropped")
 
