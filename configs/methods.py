@@ -1,0 +1,73 @@
+r"""Every method of the family as a config of the same trainer, on the demo dataset.
+
+    python -m prolip_jax.train --config configs/methods.py:method=pcmepp --workdir workdirs/pcmepp
+    python scripts/demo.py --config configs/methods.py:method=pcmepp      # train + the demo table
+
+Config args (`--config configs/methods.py:method=siglip,steps=2000,positives=same_caption`):
+    method=NAME       one of METHODS below (default prolip)
+    steps=N           training steps (default: configs/demo.py's)
+    positives=P       diagonal | same_caption (identical captions in a batch are positives of
+                      all their images; default: the method's entry)
+    smoke=1           the demo's small train split
+
+Only what differs from configs/demo.py (the `tiny` model, the demo data, AdamW at lr 2e-3) is
+set here, so a comparison between methods changes one thing: the objective and its knobs.
+Paper hyper-parameters (for the real-scale recipes; the demo keeps its own optimiser):
+
+| method   | objective   | paper (seed, §)               | a, b init  | loss knobs (paper / authors' code)                   |
+|----------|-------------|-------------------------------|------------|------------------------------------------------------|
+| ProLIP   | prolip      | 002 §3                        | 10, -10    | beta 1e-4, alpha1 1e-7, alpha2 1e-3, eps -20, c 1000  |
+| PCME++   | pcmepp      | 003 §2, Table B.1             | 5, 5       | alpha (PP) 0.1, beta 1e-4, smoothing 1e-4, MSDA 25%   |
+| PCME     | pcme        | PCME (CVPR'21); 004 §3         | 15, 15     | J = 5 samples (DAA's config), VIB 1e-5                |
+| Pishdad  | pishdad     | 001 §3.2                      | -          | triplet margin 0.2, -W2 similarity, var in [0.1, 10]  |
+| DAA      | pcme_daa    | 004 §4.2 (DAA.py)             | 15, 15     | daa_beta 1000, tau 0.01, VIB 1e-5                     |
+| SmoothAP | smooth_ap   | 004 Table 4 baseline          | 15, 15     | ap_beta 1000, tau 0.01                                |
+| CLIP     | clip        | open_clip                     | 1/0.07     | InfoNCE, learnable temperature                        |
+| SigLIP   | siglip      | big_vision                    | 10, -10    | sigmoid loss                                          |
+| VSE∞     | vse         | VSE∞ (CVPR'21)                | -          | hardest-negative triplet, margin 0.2                  |
+
+The demo variants keep the tiny towers' [UNC] head for every method (the deterministic
+objectives ignore log sigma^2), so every run is evaluated by the same evaluators.
+"""
+import importlib.util
+import math
+import os
+
+from prolip_jax import config_args
+
+# method -> (objective, loss knobs, model overrides, targets). Loss knobs are the objective's
+# Config fields (prolip_jax/objectives/<objective>.py); what is not set takes its default.
+METHODS = {
+    "prolip": ("prolip", dict(vib_beta=0.1, alpha_image_text=1e-3), {}, {}),
+    "pcmepp": ("pcmepp", dict(pp_alpha=0.1, vib_beta=1e-4),
+               dict(init_logit_scale=math.log(5.0), init_logit_bias=5.0), dict(mix_fraction=0.25)),
+    "pcme": ("pcme", dict(), dict(init_logit_scale=math.log(15.0), init_logit_bias=15.0), {}),
+    "pishdad": ("pishdad", dict(), {}, {}),
+    "pcme_daa": ("pcme_daa", dict(), dict(init_logit_scale=math.log(15.0), init_logit_bias=15.0), {}),
+    "smooth_ap": ("smooth_ap", dict(), dict(init_logit_scale=math.log(15.0), init_logit_bias=15.0), {}),
+    "clip": ("clip", dict(), dict(init_logit_scale=math.log(1 / 0.07)), {}),
+    "siglip": ("siglip", dict(), {}, {}),
+    "vse": ("vse", dict(), {}, {}),
+}
+
+
+def _demo_config(arg):
+    spec = importlib.util.spec_from_file_location("demo_config", os.path.join(os.path.dirname(__file__), "demo.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+def get_config(arg=None):
+    args = config_args.parse(arg, method="prolip", steps="", positives="", smoke="0")
+    if args["method"] not in METHODS:
+        raise ValueError(f"method={args['method']!r} is not one of {sorted(METHODS)}")
+    objective, knobs, model, targets = METHODS[args["method"]]
+    c = _demo_config(",".join(f"{k}={args[k]}" for k in ("steps", "smoke") if args[k]))
+    c.loss = dict(objective=objective, **knobs)
+    for key, value in model.items():
+        c.model[key] = value
+    c.targets = dict(targets)
+    if args["positives"]:
+        c.targets.positives = args["positives"]
+    return c

@@ -1,0 +1,127 @@
+"""Methods as configs of one trainer: the typed config, match targets / MSDA, bad combinations."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from prolip_jax import objectives, targets, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def methods_config(arg: str):
+    spec = importlib.util.spec_from_file_location("methods", ROOT / "configs" / "methods.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, train.with_defaults(module.get_config(arg))
+
+
+@pytest.mark.parametrize("method", ["prolip", "pcmepp", "pcme", "pishdad", "pcme_daa", "smooth_ap", "clip",
+                                    "siglip", "vse"])
+def test_every_method_config_parses_and_selects_its_objective(method):
+    module, config = methods_config(f"method={method},smoke=1")
+    scfg = train.step_config(config)
+    assert scfg.objective == module.METHODS[method][0]
+    assert type(scfg.loss) is objectives.get(scfg.objective).Config
+    # ProLIP's masked forward runs only for the objective that uses it.
+    assert bool(scfg.masked_group_rows) == (scfg.objective == "prolip")
+    mcfg = train.model_config(config)
+    for key, value in module.METHODS[method][2].items():
+        assert getattr(mcfg, key) == pytest.approx(value)
+
+
+def test_unknown_objective_and_knob_are_one_line_errors():
+    _, config = methods_config("method=pcmepp")
+    with config.unlocked():
+        config.loss.pp_alhpa = 0.2
+    with pytest.raises(ValueError, match=r"pp_alhpa.*did you mean 'pp_alpha'"):
+        train.parse_config(config)
+    _, config = methods_config("method=pcmepp")
+    config.loss.objective = "pcmepp2"
+    with pytest.raises(ValueError, match="not a registered objective"):
+        train.parse_config(config)
+    _, config = methods_config("method=pcmepp")
+    config.loss.distance = "cosine"
+    with pytest.raises(ValueError, match=r"config.loss.*distance='cosine' is not one of"):
+        train.parse_config(config)
+
+
+def test_bad_combinations_stop_before_compiling():
+    from prolip_jax import sharding
+
+    mesh = sharding.make_mesh((-1, 1, 1), ("data", "fsdp", "tensor"))
+    _, config = methods_config("method=vse")
+    config.targets.mix_fraction = 0.25  # MSDA's soft labels cannot enter a triplet loss
+    with pytest.raises(ValueError, match="MSDA.*'vse' cannot take"):
+        train.validate(config, mesh, train.model_config(config))
+    _, config = methods_config("method=pishdad")
+    config.model.vision = {"embed_unc": False}  # a mu-only image tower: no sigma^2 for the KL
+    config.model.text = {"embed_unc": False, "pool": "last"}
+    with pytest.raises(ValueError, match="needs log sigma"):
+        train.validate(config, mesh, train.model_config(config))
+    _, config = methods_config("method=prolip,positives=same_caption")
+    config.loss.ppcl_impl = "ring"
+    with pytest.raises(ValueError, match="ring"):
+        train.validate(config, mesh, train.model_config(config))
+
+
+def test_positive_matrix_marks_identical_captions_and_image_ids():
+    tokens = jnp.array([[5, 6, 1], [7, 1, 1], [5, 6, 1], [8, 9, 1]])
+    ids = jnp.array([0, 1, 2, 1])
+    same = np.asarray(targets.positive_matrix(tokens, ids, "same_caption"))
+    expected = np.eye(4)
+    expected[0, 2] = expected[2, 0] = 1  # rows 0 and 2 carry the same caption
+    np.testing.assert_array_equal(same, expected)
+    by_id = np.asarray(targets.positive_matrix(tokens, ids, "image_id"))
+    expected = np.eye(4)
+    expected[1, 3] = expected[3, 1] = 1
+    np.testing.assert_array_equal(by_id, expected)
+    with pytest.raises(ValueError, match="image_id"):
+        targets.positive_matrix(tokens, None, "image_id")
+
+
+def test_cutmix_box_and_lambda_as_timm_rand_bbox():
+    # lam 0.75 on 8 x 8: sides int(8 * 0.5) = 4, centre (2, 7): rows 0..3, cols 5..7 (clipped at 8).
+    box, lam = targets.cutmix_box(jnp.array([0.75]), jnp.array([2]), jnp.array([7]), 8, 8)
+    expected = np.zeros((8, 8), bool)
+    expected[0:4, 5:8] = True
+    np.testing.assert_array_equal(np.asarray(box[0]), expected)
+    assert float(lam[0]) == pytest.approx(1 - 12 / 64)
+
+
+def test_mix_gives_soft_targets_from_the_reversed_partner():
+    cfg = targets.TargetsConfig(mix_fraction=1.0, cutmix_prob=0.0)  # every image: Mixup
+    images = jnp.arange(4, dtype=jnp.float32)[:, None, None, None] * jnp.ones((4, 2, 2, 1))
+    mixed, soft, lam = targets.mix(jax.random.key(0), images, jnp.eye(4), cfg)
+    lam = np.asarray(lam, np.float64)
+    for i in range(4):
+        np.testing.assert_allclose(np.asarray(mixed[i]), lam[i] * i + (1 - lam[i]) * (3 - i), rtol=1e-6)
+        row = np.zeros(4)
+        row[i] += lam[i]
+        row[3 - i] += 1 - lam[i]
+        np.testing.assert_allclose(np.asarray(soft[i]), row, rtol=1e-6, atol=1e-7)
+    unmixed = targets.mix(jax.random.key(0), images, jnp.eye(4), targets.TargetsConfig(mix_fraction=0.0))
+    np.testing.assert_array_equal(np.asarray(unmixed[0]), np.asarray(images))
+    np.testing.assert_array_equal(np.asarray(unmixed[1]), np.eye(4))
+
+
+def test_pcmepp_with_msda_and_shared_captions_trains_in_the_trainer(tmp_path):
+    """One real run of the trainer with another objective: PCME++ with MSDA and same-caption
+    positives on random data (8 fake devices): finite, its terms logged, no masked forward."""
+    _, config = methods_config("method=pcmepp,steps=3,positives=same_caption")
+    config.model.variant = "micro"
+    config.data.source = "random"
+    config.data.image_size = 16
+    config.batch_size = 16
+    config.log_steps = 1
+    config.evals = {}
+    config.optim.warmup_steps = 1
+    metrics = train.train(config, str(tmp_path / "w"))
+    assert np.isfinite(metrics["loss"]) and metrics["skipped_updates"] == 0
+    assert {"loss/match", "loss/pseudo_match", "loss/vib"} <= set(metrics)
+    assert not any(k.endswith("inclusion") for k in metrics)
