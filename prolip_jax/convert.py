@@ -157,6 +157,10 @@ def conversion_rules(config: ProLIPConfig, layout: str = "prolip", logit_bias: b
     `logit_bias=False`: the source has none (OpenAI CLIP); the Flax leaf is then not covered."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown state_dict layout {layout!r}; known: {LAYOUTS}")
+    other = config.other_paper_options()
+    if other:  # PCME++ / Pishdad heads (models/heads.py): no open_clip or reference module has them
+        raise ValueError(f"the PyTorch reference (naver-ai/prolip, open_clip) cannot load this architecture: "
+                         f"{', '.join(other)} (port-only options; no {layout} state_dict layout has them)")
     rules = [Rule("logit_scale", (("logit_scale",),), "copy")]
     if logit_bias:
         rules.append(Rule("logit_bias", (("logit_bias",),), "copy"))
@@ -369,7 +373,8 @@ def save_hf(hf_dir: str | os.PathLike, params: Mapping[str, Any], config: ProLIP
     tmp = Path(tempfile.mkdtemp(prefix=f".{hf_dir.name}.tmp-", dir=hf_dir.parent))
     try:
         save_file(state_dict, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+        # SizeAugment is training-only and has no reference key
+        (tmp / CONFIG_NAME).write_text(json.dumps(config.without_training_options().to_dict(), indent=2) + "\n")
         if hf_dir.exists():
             shutil.rmtree(hf_dir)
         os.replace(tmp, hf_dir)

@@ -11,12 +11,24 @@ CLIP / SigLIP models the importers in `prolip_jax.pretrained` load (`embed_unc=F
 says `"embed_unc": false` explicitly and lists its options with open_clip's key names where
 open_clip has one (`pool_type`, `no_ln_pre`, `no_causal_mask`, `proj_bias`, `act_kwargs`) and
 `class_token`, `patch_bias`, `proj_type` otherwise.
+
+Uncertainty-head and pooling options from the other probabilistic VL papers, on the same
+towers (fields `unc_head`, `unc_layers`, `covariance`, `pool="gpo"`, `gpo_dim`, `size_augment`;
+models/heads.py): PCME++'s duplicated last block with GPO pooling and SizeAugment (seed 003
+§2.1 / naver-ai/pcmepp pcmepp/models/{img,txt}_encoder.py) and Pishdad et al.'s duplicated
+embedding layer (seed 001 §3.1, §4.2). They have no open_clip equivalent: in the dict schema
+they are written under their field names, and only when they differ from the default, so a
+ProLIP `config.json` stays the reference's; `prolip_jax.convert` refuses to export them.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from typing import Any, Mapping
+
+# Choices of the option fields (validated in VisionConfig / TextConfig.__post_init__).
+UNC_HEADS = ("unc_token", "block", "embedding")
+COVARIANCES = ("diagonal", "spherical")
 
 # The paper's initial a = 10 (§4.1, "following SigLIP"); the reference code uses
 # log(1/0.07) when the config does not say (REFERENCE §2.3). We default to the paper.
@@ -43,6 +55,22 @@ class VisionConfig:
     patch_bias: bool = False  # bias of the patch-embedding conv (SigLIP: timm / big_vision)
     proj: bool = True  # mu = pooled @ proj (no bias); False: mu = pooled (SigLIP, width == embed_dim)
     act: str = "gelu"  # "gelu" (erf) | "gelu_tanh" (SigLIP); ProLIPConfig.quick_gelu overrides
+    # pool "gpo": VSE∞'s Generalized Pooling Operator (Chen et al. 2021, models/heads.py GPO) over
+    # every output token, after ln_post and proj per token.
+    # Uncertainty head when embed_unc (the other papers' heads; no [UNC] token for them):
+    #   "unc_token"  ProLIP: [UNC] token -> uncertainty_proj (pool "tok" or "map")
+    #   "block"      PCME++: the last `unc_layers` blocks duplicated (fresh init, `unc_transformer`)
+    #                on the shared trunk -> unc_projection (-> unc_gpo with pool "gpo")
+    #   "embedding"  Pishdad et al.: a duplicated final embedding layer on the same pooled feature
+    #                (unc_projection; with pool "gpo" also a duplicated GPO, unc_gpo)
+    unc_head: str = "unc_token"
+    unc_layers: int = 1  # blocks duplicated by unc_head "block" (PCME++ n_unc_layers = 1)
+    covariance: str = "diagonal"  # "spherical": a 1-dim log sigma^2 head broadcast to embed_dim
+    gpo_dim: int = 32  # GPO positional-encoding size and BiGRU hidden size (VSE∞: GPO(32, 32))
+    size_augment: float = 0.0  # PCME++ image SizeAugment (training only, pool "gpo"); 0.2 there
+
+    def __post_init__(self):
+        _check_tower_options("vision", self)
 
     @property
     def heads(self) -> int:
@@ -82,10 +110,55 @@ class TextConfig:
     # Carried for config.json round trips only (the model does not use them).
     hf_tokenizer_name: str | None = None
     tokenizer_kwargs: tuple[tuple[str, Any], ...] = ()
+    # Options of the other papers' heads, as VisionConfig (pool "gpo" pools the non-pad tokens).
+    unc_head: str = "unc_token"  # "unc_token" is ProLIP's (pool "prolip"); "block" | "embedding"
+    unc_layers: int = 1
+    covariance: str = "diagonal"
+    gpo_dim: int = 32
+    # The tokenizer's pad id (1: SigLIP's T5 vocabulary, where EOS == pad; 0: OpenAI BPE):
+    # needed by pool "gpo" (pads are not pooled) and by SizeAugment (pads are never touched).
+    pad_id: int | None = None
+    # PCME++ caption SizeAugment (pcmepp/datasets.py process_caption_vit; training only): each
+    # token that is neither pad nor in `size_augment_protected_ids` is picked with probability
+    # `size_augment` (PCME++ 0.2); a picked token becomes `size_augment_mask_id` with probability
+    # `size_augment_masking`, a uniformly random id with `size_augment_erasing`, else is deleted.
+    size_augment: float = 0.0
+    size_augment_mask_id: int | None = None
+    size_augment_masking: float = 0.5
+    size_augment_erasing: float = 0.1
+    size_augment_protected_ids: tuple[int, ...] = ()  # e.g. OpenAI BPE's SOT/EOT (49406, 49407)
+
+    def __post_init__(self):
+        # lists from a trainer config (ml_collections) -> a hashable tuple
+        object.__setattr__(self, "size_augment_protected_ids",
+                           tuple(int(i) for i in self.size_augment_protected_ids))
+        _check_tower_options("text", self)
 
     @property
     def mlp_dim(self) -> int:
         return int(self.width * self.mlp_ratio)
+
+
+def _check_tower_options(where: str, c: "VisionConfig | TextConfig") -> None:
+    """The choice fields of one tower (cross-field rules: ProLIPConfig.__post_init__)."""
+    problems = []
+    if c.unc_head not in UNC_HEADS:
+        problems.append(f"{where} unc_head {c.unc_head!r} is not one of {UNC_HEADS}")
+    if c.covariance not in COVARIANCES:
+        problems.append(f"{where} covariance {c.covariance!r} is not one of {COVARIANCES}")
+    if not (isinstance(c.unc_layers, int) and 1 <= c.unc_layers <= c.layers):
+        problems.append(f"{where} unc_layers {c.unc_layers!r} must be an int in [1, layers={c.layers}]")
+    if not (isinstance(c.gpo_dim, int) and c.gpo_dim > 0 and c.gpo_dim % 2 == 0):
+        problems.append(f"{where} gpo_dim {c.gpo_dim!r} must be a positive even int (sinusoidal encoding)")
+    if not 0.0 <= c.size_augment < 1.0:
+        problems.append(f"{where} size_augment {c.size_augment!r} must be in [0, 1)")
+    if where == "text":
+        m, e = c.size_augment_masking, c.size_augment_erasing
+        if not (0.0 <= m <= 1.0 and 0.0 <= e <= 1.0 and m + e <= 1.0):
+            problems.append(f"text size_augment_masking {m!r} and size_augment_erasing {e!r} must be "
+                            "probabilities with a sum <= 1 (the rest is deletion)")
+    if problems:
+        raise ValueError("invalid ProLIP config: " + "; ".join(problems))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,18 +173,40 @@ class ProLIPConfig:
     def __post_init__(self):
         v, t = self.vision, self.text
         problems = []
-        for where, tower, pools in (("vision", v, ("tok", "map")), ("text", t, ("prolip", "last", "argmax"))):
+        for where, tower, pools in (("vision", v, ("tok", "map", "gpo")),
+                                    ("text", t, ("prolip", "last", "argmax", "gpo"))):
             if tower.pool not in pools:
                 problems.append(f"{where} pool {tower.pool!r} is not one of {pools}")
             if tower.act not in ("gelu", "gelu_tanh"):
                 problems.append(f"{where} act {tower.act!r} is not 'gelu' or 'gelu_tanh' (QuickGELU: quick_gelu=True)")
         if v.pool == "tok" and not v.class_token:
             problems.append("vision pool 'tok' needs class_token=True")
+        for where, tower, plain in (("vision", v, ("tok", "gpo")), ("text", t, ("last", "argmax", "gpo"))):
+            if not tower.embed_unc:
+                for field, default in (("unc_head", "unc_token"), ("covariance", "diagonal"), ("unc_layers", 1)):
+                    if getattr(tower, field) != default:
+                        problems.append(f"{where} {field}={getattr(tower, field)!r} needs embed_unc=True "
+                                        "(embed_unc=False is a mu-only tower)")
+            elif tower.unc_head != "unc_token" and tower.pool not in plain:
+                problems.append(f"{where} unc_head {tower.unc_head!r} pools with one of {plain}, not {tower.pool!r}")
+            if tower.unc_layers != 1 and tower.unc_head != "block":
+                problems.append(f"{where} unc_layers={tower.unc_layers} is an option of unc_head 'block' only")
+        if v.embed_unc and v.unc_head == "unc_token" and v.pool == "gpo":
+            problems.append("vision unc_head 'unc_token' (ProLIP's [UNC]) pools with 'tok' or 'map', not 'gpo'")
+        if v.size_augment and v.pool != "gpo":
+            problems.append("vision size_augment drops output tokens before pooling: it needs pool 'gpo'")
+        if t.pool == "gpo" and t.pad_id is None:
+            problems.append("text pool 'gpo' needs pad_id (pads are not pooled): 1 for SigLIP's T5 "
+                            "vocabulary, 0 for OpenAI's BPE")
+        if t.size_augment and (t.pad_id is None or t.size_augment_mask_id is None):
+            problems.append("text size_augment needs pad_id and size_augment_mask_id (the [MASK] token)")
         if not v.proj and v.width != self.embed_dim:
             problems.append(f"vision proj=False needs width {v.width} == embed_dim {self.embed_dim}")
-        if (t.pool == "prolip") != t.embed_unc:
-            problems.append("text pool 'prolip' ([UNC],[CLS] appended) goes with embed_unc=True and only with it")
-        if t.embed_unc and (t.causal or not t.proj_bias):
+        prolip_text = t.embed_unc and t.unc_head == "unc_token"
+        if (t.pool == "prolip") != prolip_text:
+            problems.append("text pool 'prolip' ([UNC],[CLS] appended) goes with embed_unc=True and "
+                            "unc_head 'unc_token', and only with them")
+        if prolip_text and (t.causal or not t.proj_bias):
             problems.append("the ProLIP text tower (embed_unc=True) has no causal mask and a text_projection bias")
         if v.image_size % v.patch_size:
             problems.append(f"vision image_size {v.image_size} is not a multiple of patch_size {v.patch_size}")
@@ -121,7 +216,7 @@ class ProLIPConfig:
             problems.append(f"text width {t.width} is not divisible by heads {t.heads}")
         # The reference applies text_uncertainty_projection, a Linear(width, embed_dim), to the
         # *projected* CLS embedding (REFERENCE §1.3), which only type-checks when they agree.
-        if t.embed_unc and t.width != self.embed_dim:
+        if prolip_text and t.width != self.embed_dim:
             problems.append(f"text width {t.width} must equal embed_dim {self.embed_dim}: the reference "
                             "computes text log sigma^2 from the projected [CLS] embedding")
         if problems:
@@ -141,8 +236,13 @@ class ProLIPConfig:
         # (vision False, rejected below as before; text True).
         vis_det = vis.get("embed_unc", True) is False
         txt_det = txt.get("embed_unc", True) is False
-        _check_supported("vision_cfg", vis, _VISION_FIXED, skip=_VISION_OPTIONS if vis_det else ())
-        _check_supported("text_cfg", txt, _TEXT_FIXED, skip=_TEXT_OPTIONS if txt_det else ())
+        # Another paper's uncertainty head (`unc_head`): no [UNC] token, the tower options apply.
+        vis_other = not vis_det and vis.get("unc_head", "unc_token") != "unc_token"
+        txt_other = not txt_det and txt.get("unc_head", "unc_token") != "unc_token"
+        _check_supported("vision_cfg", vis, _VISION_FIXED, skip=(
+            _VISION_OPTIONS if vis_det else {**_VISION_OPTIONS, "embed_unc": (True,)} if vis_other else ()))
+        _check_supported("text_cfg", txt, _TEXT_FIXED, skip=(
+            _TEXT_OPTIONS if txt_det else {**_TEXT_OPTIONS, "embed_unc": (True,)} if txt_other else ()))
         vision = VisionConfig(
             image_size=_single(vis.get("image_size", 224), "vision_cfg.image_size"),
             patch_size=_single(vis.get("patch_size", 16), "vision_cfg.patch_size"),
@@ -159,6 +259,7 @@ class ProLIPConfig:
             patch_bias=bool(vis.get("patch_bias", False)),
             proj=vis.get("proj_type", "linear") != "none",
             act=_act(vis.get("act_kwargs"), "vision_cfg"),
+            **{k: vis[k] for k in _OPTION_KEYS if k in vis},
         )
         text = TextConfig(
             context_length=txt.get("context_length", 64),
@@ -172,10 +273,12 @@ class ProLIPConfig:
             hf_tokenizer_name=txt.get("hf_tokenizer_name"),
             tokenizer_kwargs=tuple(sorted((txt.get("tokenizer_kwargs") or {}).items())),
             embed_unc=not txt_det,
-            pool="prolip" if not txt_det else txt.get("pool_type", "argmax"),
+            pool="prolip" if not (txt_det or txt_other) else txt.get("pool_type", "argmax"),
             causal=not txt.get("no_causal_mask", True),
             proj_bias=bool(txt.get("proj_bias", True)),
             act=_act(txt.get("act_kwargs"), "text_cfg"),
+            pad_id=txt.get("pad_id"),
+            **{k: txt[k] for k in _OPTION_KEYS + _TEXT_OPTION_KEYS if k in txt},
         )
         return cls(
             embed_dim=d.get("embed_dim", 768),
@@ -196,9 +299,11 @@ class ProLIPConfig:
             "embed_cls": True, "embed_unc": True, "norm_kwargs": {"eps": t.ln_eps},
             "init_unc_bias": t.init_unc_bias,
         }
-        if not t.embed_unc:
-            text_cfg.update(embed_cls=False, embed_unc=False, pool_type=t.pool,
+        if t.pool != "prolip":  # no [UNC],[CLS]: a mu-only tower or another paper's head
+            text_cfg.update(embed_cls=False, embed_unc=t.embed_unc, pool_type=t.pool,
                             no_causal_mask=not t.causal, proj_bias=t.proj_bias)
+        if t.pad_id is not None:
+            text_cfg["pad_id"] = t.pad_id
         if t.act != "gelu":
             text_cfg["act_kwargs"] = {"approximate": "tanh"}
         vision_cfg: dict[str, Any] = {
@@ -215,6 +320,12 @@ class ProLIPConfig:
                 vision_cfg[key] = value
         if v.act != "gelu":
             vision_cfg["act_kwargs"] = {"approximate": "tanh"}
+        # The other papers' options (port only), likewise only when set.
+        for cfg, tower, keys in ((vision_cfg, v, _OPTION_KEYS), (text_cfg, t, _OPTION_KEYS + _TEXT_OPTION_KEYS)):
+            for key in keys:
+                value, default = getattr(tower, key), _TOWER_DEFAULTS[key]
+                if value != default:
+                    cfg[key] = list(value) if isinstance(value, tuple) else value
         if t.hf_tokenizer_name is not None:
             text_cfg["hf_tokenizer_name"] = t.hf_tokenizer_name
         if t.tokenizer_kwargs:
@@ -232,6 +343,33 @@ class ProLIPConfig:
     def replace(self, **kw) -> "ProLIPConfig":
         return dataclasses.replace(self, **kw)
 
+    def other_paper_options(self) -> list[str]:
+        """The options set here that change the architecture away from what the reference
+        (naver-ai/prolip, open_clip) can build: 'vision.pool='gpo'', ... Empty for ProLIP, CLIP
+        and SigLIP configs. Training-only options (SizeAugment) are not listed."""
+        out = []
+        for where, tower in (("vision", self.vision), ("text", self.text)):
+            if tower.pool == "gpo":
+                out.append(f"{where}.pool='gpo'")
+            for key in ("unc_head", "unc_layers", "covariance"):
+                if getattr(tower, key) != _TOWER_DEFAULTS[key]:
+                    out.append(f"{where}.{key}={getattr(tower, key)!r}")
+        return out
+
+    def without_training_options(self) -> "ProLIPConfig":
+        """The same model with SizeAugment off (training-only: it has no parameters and changes
+        nothing at evaluation), e.g. for a `config.json` the reference must load."""
+        keys = ("size_augment", *_TEXT_OPTION_KEYS)
+        return self.replace(vision=dataclasses.replace(self.vision, size_augment=0.0),
+                            text=dataclasses.replace(self.text, **{k: _TOWER_DEFAULTS[k] for k in keys}))
+
+
+# The option fields (other papers' heads) written under their own names in the dict schema.
+_OPTION_KEYS = ("unc_head", "unc_layers", "covariance", "gpo_dim", "size_augment")
+_TEXT_OPTION_KEYS = ("size_augment_mask_id", "size_augment_masking", "size_augment_erasing",
+                     "size_augment_protected_ids")  # text only (SizeAugment of captions)
+_TOWER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TextConfig)}
+
 
 # Reference kwargs the port reads, and those it accepts only at their supported value.
 _TOP_KEYS = {"embed_dim", "vision_cfg", "text_cfg", "quick_gelu", "init_logit_scale",
@@ -240,14 +378,14 @@ _VISION_KEYS = {"image_size", "layers", "width", "head_width", "mlp_ratio", "pat
                 "norm_kwargs", "embed_unc", "init_unc_bias", "ls_init_value", "attentional_pool",
                 "attn_pooler_queries", "attn_pooler_heads", "no_ln_pre", "pos_embed_type",
                 "pool_type", "output_tokens", "act_kwargs", "timm_model_name", "class_token",
-                "patch_bias", "proj_type",
+                "patch_bias", "proj_type", *_OPTION_KEYS,
                 "timm_model_pretrained", "timm_pool", "timm_proj", "timm_proj_bias", "timm_drop",
                 "timm_drop_path"}
 _TEXT_KEYS = {"context_length", "vocab_size", "hf_tokenizer_name", "tokenizer_kwargs", "width",
               "heads", "layers", "mlp_ratio", "ls_init_value", "embed_cls", "embed_unc", "pad_id",
               "no_causal_mask", "final_ln_after_pool", "pool_type", "proj_bias", "output_tokens",
               "act_kwargs", "norm_kwargs", "init_unc_bias", "hf_model_name",
-              "hf_model_pretrained", "hf_proj_type", "hf_pooler_type"}
+              "hf_model_pretrained", "hf_proj_type", "hf_pooler_type", *_OPTION_KEYS, *_TEXT_OPTION_KEYS}
 # key -> (the reference's default, values the port supports). Anything else changes the
 # architecture in a way the ProLIP towers (here and in the reference's ProLIP class) do not
 # implement. Note that the reference's *vision* default is embed_unc=False: a config.json
@@ -263,10 +401,10 @@ _TEXT_FIXED = {"embed_cls": (True, (True,)), "embed_unc": (True, (True,)),
                "ls_init_value": (None, (None,)), "output_tokens": (False, (False,)),
                "act_kwargs": (None, (None, {"approximate": "tanh"})), "hf_model_name": (None, (None,))}
 # Keys a deterministic tower (explicit `"embed_unc": false`) may set to other values.
-_VISION_OPTIONS = {"embed_unc": (False,), "class_token": (True, False), "pool_type": ("tok", "map"),
+_VISION_OPTIONS = {"embed_unc": (False,), "class_token": (True, False), "pool_type": ("tok", "map", "gpo"),
                    "no_ln_pre": (False, True), "proj_type": ("linear", "none")}
 _TEXT_OPTIONS = {"embed_unc": (False,), "embed_cls": (False,), "no_causal_mask": (True, False),
-                 "proj_bias": (True, False), "pool_type": ("last", "argmax")}
+                 "proj_bias": (True, False), "pool_type": ("last", "argmax", "gpo")}
 
 
 def _check_keys(where: str, d: Mapping[str, Any], known: set[str]) -> None:
@@ -351,6 +489,29 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "text_cfg": {**_SIGLIP_TEXT, "context_length": 16, "vocab_size": 1000, "width": 64,
                      "heads": 2, "layers": 2},
     },
+    # The other papers' heads on the "tiny" towers (tests). PCME++ (naver-ai/pcmepp
+    # configs/pcmepp.yaml): duplicated last block, GPO, SizeAugment 0.2, log sigma^2 bias 0
+    # (its bias_init), a causal text tower as its CLIP one, GPO over the non-pad tokens (pad 1 in
+    # this SigLIP vocabulary; 999 stands in for a [MASK] token).
+    "tiny_pcmepp": {
+        "embed_dim": 64, "init_logit_bias": -10,
+        "vision_cfg": {"embed_unc": True, "image_size": 32, "layers": 2, "width": 64, "patch_size": 8,
+                       "head_width": 32, "init_unc_bias": 0.0, "unc_head": "block", "pool_type": "gpo",
+                       "size_augment": 0.2},
+        "text_cfg": {**_SIGLIP_TEXT, "context_length": 16, "vocab_size": 1000, "width": 64, "heads": 2,
+                     "layers": 2, "init_unc_bias": 0.0, "embed_unc": True, "embed_cls": False,
+                     "unc_head": "block", "pool_type": "gpo", "pad_id": 1, "no_causal_mask": False,
+                     "size_augment": 0.2, "size_augment_mask_id": 999},
+    },
+    # Pishdad et al.: a duplicated embedding layer for log sigma^2 on the tiny towers' own pooling.
+    "tiny_pishdad": {
+        "embed_dim": 64, "init_logit_bias": -10,
+        "vision_cfg": {"embed_unc": True, "image_size": 32, "layers": 2, "width": 64, "patch_size": 8,
+                       "head_width": 32, "unc_head": "embedding"},
+        "text_cfg": {**_SIGLIP_TEXT, "context_length": 16, "vocab_size": 1000, "width": 64, "heads": 2,
+                     "layers": 2, "embed_unc": True, "embed_cls": False, "unc_head": "embedding",
+                     "pool_type": "last"},
+    },
     "micro": {
         "embed_dim": 32, "init_logit_bias": -10,
         "vision_cfg": {"embed_unc": True, "image_size": 16, "layers": 1, "width": 32, "patch_size": 8, "head_width": 16},
@@ -363,11 +524,32 @@ VARIANTS: dict[str, dict[str, Any]] = {
 def get_config(name_or_dict: str | Mapping[str, Any], **overrides: Any) -> ProLIPConfig:
     """A named variant ('B/16', 'L/16', 'So400m/14', 'H/14', 'tiny', ...) or a reference dict.
 
-    `overrides` replace top-level fields, e.g. `get_config('B/16', init_logit_scale=0.0)`.
+    `overrides` replace top-level fields, e.g. `get_config('B/16', init_logit_scale=0.0)`;
+    `vision` / `text` may be a mapping of VisionConfig / TextConfig field overrides, e.g.
+    `get_config('B/16', vision={'unc_head': 'block', 'pool': 'gpo'})` (see `with_overrides`).
     """
     if isinstance(name_or_dict, str):
         if name_or_dict not in VARIANTS:
             raise ValueError(f"unknown model variant {name_or_dict!r}; known: {sorted(VARIANTS)}")
         name_or_dict = VARIANTS[name_or_dict]
     cfg = ProLIPConfig.from_dict(name_or_dict)
-    return cfg.replace(**overrides) if overrides else cfg
+    return with_overrides(cfg, **overrides) if overrides else cfg
+
+
+def with_overrides(cfg: ProLIPConfig, vision: Mapping[str, Any] | VisionConfig | None = None,
+                   text: Mapping[str, Any] | TextConfig | None = None, **top: Any) -> ProLIPConfig:
+    """`cfg` with top-level fields and per-tower field overrides (a trainer config's
+    `model.vision` / `model.text` dicts) replaced; the result is validated as a whole."""
+    towers = {}
+    for where, value, cls in (("vision", vision, VisionConfig), ("text", text, TextConfig)):
+        if value is None or isinstance(value, cls):
+            if value is not None:
+                towers[where] = value
+            continue
+        value = value.to_dict() if hasattr(value, "to_dict") else dict(value)  # ml_collections too
+        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown {where} field(s) {unknown}; known: "
+                             f"{sorted(f.name for f in dataclasses.fields(cls))}")
+        towers[where] = dataclasses.replace(getattr(cfg, where), **value)
+    return cfg.replace(**towers, **top)

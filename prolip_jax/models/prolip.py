@@ -5,6 +5,11 @@ Every input becomes N(mu, diag sigma^2): mu is L2-normalised here (as the refere
 (`embed_unc=False`: the deterministic CLIP / SigLIP models) returns None for log sigma^2. `logit_scale` stores log a
 (a = exp(logit_scale), init from the config: the paper's a = 10 by default) and
 `logit_bias` stores b (init -10).
+
+`train=True` turns on the training-only input/token augmentation the config asks for
+(SizeAugment, `size_augment > 0`; models/heads.py), which draws from the flax rng stream
+"augment": `model.apply(variables, images, tokens, train=True, rngs={"augment": key})`.
+At the default train=False the forward is deterministic and needs no rng.
 """
 from __future__ import annotations
 
@@ -41,26 +46,27 @@ class ProLIP(nn.Module):
         self.logit_bias = self.param(
             "logit_bias", nn.with_logical_partitioning(constant(c.init_logit_bias), ()), ())
 
-    def encode_image(self, images: jax.Array, keep_idx: jax.Array | None = None
+    def encode_image(self, images: jax.Array, keep_idx: jax.Array | None = None, train: bool = False
                      ) -> tuple[jax.Array, jax.Array | None]:
         """images [B, H, W, 3] -> (mu [B, E] unit-norm, log sigma^2 [B, E] or None), float32."""
-        mu, logvar = self.visual(images, keep_idx)
+        mu, logvar = self.visual(images, keep_idx, train)
         return l2_normalize(mu), logvar
 
-    def encode_text(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    def encode_text(self, tokens: jax.Array, train: bool = False) -> tuple[jax.Array, jax.Array | None]:
         """tokens int [B, L] -> (mu [B, E] unit-norm, log sigma^2 [B, E] or None), float32."""
-        mu, logvar = self.text(tokens)
+        mu, logvar = self.text(tokens, train)
         return l2_normalize(mu), logvar
 
     def __call__(self, images: jax.Array | None, tokens: jax.Array | None,
-                 image_keep_idx: jax.Array | None = None) -> dict[str, jax.Array]:
+                 image_keep_idx: jax.Array | None = None, train: bool = False) -> dict[str, jax.Array]:
         """Either modality may be None (its outputs are then absent), as in the reference.
-        `*_logvar` is None for a tower without [UNC]."""
+        `*_logvar` is None for a mu-only tower (embed_unc=False). `train`: SizeAugment on
+        (rng stream "augment"), see the module docstring."""
         out = {"logit_scale": jnp.exp(self.logit_scale), "logit_bias": self.logit_bias}
         if images is not None:
-            out["image_mean"], out["image_logvar"] = self.encode_image(images, image_keep_idx)
+            out["image_mean"], out["image_logvar"] = self.encode_image(images, image_keep_idx, train)
         if tokens is not None:
-            out["text_mean"], out["text_logvar"] = self.encode_text(tokens)
+            out["text_mean"], out["text_logvar"] = self.encode_text(tokens, train)
         return out
 
 

@@ -15,7 +15,16 @@ The same module is the deterministic CLIP / SigLIP text tower (`TextConfig` opti
     SigLIP (open_clip,     context_length              none     last                kernel + bias
       big_vision)
 
-`cls_emb`, `unc_emb` and `text_uncertainty_projection` exist only for ProLIP (embed_unc).
+`cls_emb`, `unc_emb` and `text_uncertainty_projection` exist only for ProLIP (embed_unc with
+unc_head "unc_token").
+
+The other papers' options (TextConfig fields; models/heads.py), as in vit.py: unc_head "block"
+(PCME++: the last blocks duplicated, fresh init, with the tower's own causal mask; no ln_final
+on that branch, pcmepp/modules/clip/model.py ProbTransformer / CLIP.encode_text), "embedding"
+(Pishdad et al.: a duplicated projection on the same pooled feature), pool "gpo" (GPO over
+the tokens that are not `pad_id`, after ln_final and text_projection per token, as PCME++'s
+pcmepp/models/txt_encoder.py EncoderTextClip; its own Linear there, `text_projection` here),
+and caption SizeAugment on the input tokens in training.
 """
 from __future__ import annotations
 
@@ -24,7 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from prolip_jax.models.config import TextConfig
-from prolip_jax.models.transformer import Encoder, LayerNorm, Linear, block_init, constant, normal, zeros
+from prolip_jax.models.heads import GPO, size_augment_tokens, unc_projection
+from prolip_jax.models.transformer import Encoder, LayerNorm, Linear, block_init, constant, normal, uniform, zeros
 
 
 class TextTower(nn.Module):
@@ -36,14 +46,20 @@ class TextTower(nn.Module):
     remat: str = "none"
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    def __call__(self, tokens: jax.Array, train: bool = False) -> tuple[jax.Array, jax.Array | None]:
         """tokens int [B, L] with L <= context_length -> (mu [B, E] unnormalised, log sigma^2 [B, E]
-        or None without [UNC])."""
+        or None for a mu-only tower). train: caption SizeAugment (size_augment > 0) on, drawing
+        from the flax rng stream "augment"."""
         c = self.config
         b, length = tokens.shape
         if length > c.context_length:
             raise ValueError(f"token sequence length {length} exceeds context_length {c.context_length}")
         d = c.width
+        if train and c.size_augment > 0:
+            tokens = size_augment_tokens(
+                self.make_rng("augment"), tokens, rate=c.size_augment, vocab_size=c.vocab_size, pad_id=c.pad_id,
+                mask_id=c.size_augment_mask_id, masking=c.size_augment_masking, erasing=c.size_augment_erasing,
+                protected_ids=c.size_augment_protected_ids)
 
         table = self.param("token_embedding", nn.with_logical_partitioning(normal(0.02), ("vocab", "embed")),
                            (c.vocab_size, d))
@@ -62,18 +78,53 @@ class TextTower(nn.Module):
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
         act = "quick_gelu" if self.quick_gelu else c.act
-        x = Encoder(c.layers, c.heads, c.mlp_dim, c.ln_eps, act,
-                    block_init(d, c.layers, c.mlp_dim, "open_clip_text"), self.dtype,
-                    self.attention_impl, self.remat, causal=c.causal, name="transformer")(x)
+        init = block_init(d, c.layers, c.mlp_dim, "open_clip_text")
+        encoder = Encoder(c.layers, c.heads, c.mlp_dim, c.ln_eps, act, init, self.dtype,
+                          self.attention_impl, self.remat, causal=c.causal, name="transformer")
+        x_unc = None
+        if c.embed_unc and c.unc_head == "block":  # the stream splits after block L - n
+            split = c.layers - c.unc_layers
+            x = encoder(x, stop=split)
+            x_unc = Encoder(c.unc_layers, c.heads, c.mlp_dim, c.ln_eps, act, init, self.dtype,
+                            self.attention_impl, self.remat, causal=c.causal, name="unc_transformer")(x)
+            x = encoder(x, start=split)
+        else:
+            x = encoder(x)
+        ln_final = LayerNorm(c.ln_eps, self.dtype, name="ln_final")
+        text_projection = Linear(self.embed_dim, ("embed", "proj"), normal(d ** -0.5),
+                                 zeros if c.proj_bias else None, self.dtype, name="text_projection")
+
+        if c.pool == "gpo":
+            valid = tokens != c.pad_id
+            feats = ln_final(x)
+            mu = GPO(c.gpo_dim, name="gpo")(text_projection(feats), valid)
+            if not c.embed_unc:
+                return mu, None
+            branch = x_unc if c.unc_head == "block" else feats
+            return mu, GPO(c.gpo_dim, name="unc_gpo")(self._unc_projection(branch), valid)
 
         # ln_final is per token: apply it to the pooled one only (open_clip text_global_pool).
-        if c.pool == "argmax":  # OpenAI BPE: EOT has the largest id
-            x = jnp.take_along_axis(x, jnp.argmax(tokens, axis=-1)[:, None, None], axis=1)
-        pooled = LayerNorm(c.ln_eps, self.dtype, name="ln_final")(x[:, -1])
-        mu = Linear(self.embed_dim, ("embed", "proj"), normal(d ** -0.5), zeros if c.proj_bias else None,
-                    self.dtype, name="text_projection")(pooled)
+        def pool(seq: jax.Array) -> jax.Array:
+            if c.pool == "argmax":  # OpenAI BPE: EOT has the largest id
+                return jnp.take_along_axis(seq, jnp.argmax(tokens, axis=-1)[:, None, None], axis=1)[:, 0]
+            return seq[:, -1]
+
+        pooled = ln_final(pool(x))
+        mu = text_projection(pooled)
         if not c.embed_unc:
             return mu.astype(jnp.float32), None
-        logvar = Linear(self.embed_dim, ("proj_in", "proj"), normal(d ** -0.5), constant(c.init_unc_bias),
-                        self.dtype, name="text_uncertainty_projection")(mu)
+        if c.unc_head == "unc_token":
+            spherical = c.covariance == "spherical"
+            logvar = Linear(1 if spherical else self.embed_dim, ("proj_in", "proj"), normal(d ** -0.5),
+                            constant(c.init_unc_bias), self.dtype, name="text_uncertainty_projection")(mu)
+            logvar = jnp.broadcast_to(logvar, mu.shape) if spherical else logvar
+        else:  # "block": the same token of the duplicated branch; "embedding": the same pooled feature
+            logvar = self._unc_projection(pool(x_unc) if c.unc_head == "block" else pooled)
         return mu.astype(jnp.float32), logvar.astype(jnp.float32)
+
+    def _unc_projection(self, x: jax.Array) -> jax.Array:
+        """torch nn.Linear's default weight init U(+-1/sqrt(fan_in)), as PCME++'s std_linear
+        (pcmepp/models/txt_encoder.py); bias init_unc_bias (PCME++: bias_init 0)."""
+        c = self.config
+        return unc_projection(x, self.embed_dim, c.covariance, lambda fan_in, _: uniform(fan_in ** -0.5),
+                              c.init_unc_bias, self.dtype)

@@ -203,13 +203,15 @@ class Encoder(nn.Module):
     causal: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, start: int = 0, stop: int | None = None) -> jax.Array:
+        """Blocks `start .. stop - 1` (default all): a tower whose stream splits after block
+        `stop - 1` (PCME++'s duplicated last block) calls the same Encoder twice."""
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"unknown remat policy {self.remat!r}; choose from {sorted(REMAT_POLICIES)}")
         block = ResidualBlock
         if self.remat != "none":
             block = nn.remat(ResidualBlock, policy=REMAT_POLICIES[self.remat])
-        for i in range(self.layers):
+        for i in range(start, self.layers if stop is None else stop):
             x = block(self.num_heads, self.mlp_dim, self.ln_eps, self.act, self.init,
                       self.dtype, self.attention_impl, self.causal, name=f"resblocks_{i}")(x)
         return x

@@ -14,6 +14,22 @@ The same module is the deterministic CLIP / SigLIP image tower (`VisionConfig` o
 
 `ln_pre` and `proj` are absent for SigLIP (no pre-LN; the MAP output is the embedding), and
 `class_embedding` without a class token. Only ProLIP (embed_unc) applies ln_post twice to CLS.
+
+The other papers' options (VisionConfig.unc_head / pool "gpo"; models/heads.py), on the same
+trunk and with the same parameter names where they share a part:
+
+    unc_head    log sigma^2 from                                            params only there
+    block       PCME++ (seed 003 §2.1): blocks L-n..L-1 duplicated, fresh    unc_transformer,
+                init, on the trunk's first L-n blocks; no LayerNorm on that  unc_projection
+                branch (pcmepp/modules/clip/model.py ProbVisionTransformer)
+    embedding   Pishdad et al. (seed 001 §3.1): a duplicated projection on  unc_projection
+                the same pooled feature as mu
+    pool "gpo"  mu = GPO(proj(ln_post(every token))) (`gpo`); log sigma^2 = GPO of its own branch's
+                projected tokens (`unc_gpo`); SizeAugment drops tokens from both in training.
+
+PCME++ itself has no ln_post (the CLIP ViT's ln_post / proj are dropped) and projects with a
+fresh Linear with bias (pcmepp/models/img_encoder.py EncoderImageAggr.fc); here mu keeps the
+tower's ln_post and `proj`, so a CLIP / ProLIP warm start carries them over.
 """
 from __future__ import annotations
 
@@ -22,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from prolip_jax.models.config import VisionConfig
+from prolip_jax.models.heads import GPO, size_augment_keep, unc_projection, xavier_uniform
 from prolip_jax.models.transformer import (Encoder, LayerNorm, Linear, MAPHead, block_init, constant, normal,
                                           uniform)
 
@@ -35,7 +52,7 @@ class VisionTower(nn.Module):
     remat: str = "none"
 
     @nn.compact
-    def __call__(self, images: jax.Array, keep_idx: jax.Array | None = None
+    def __call__(self, images: jax.Array, keep_idx: jax.Array | None = None, train: bool = False
                  ) -> tuple[jax.Array, jax.Array | None]:
         """images [B, H, W, 3] (normalised) -> (mu [B, E] unnormalised, log sigma^2 [B, E] or
         None without [UNC]).
@@ -43,6 +60,7 @@ class VisionTower(nn.Module):
         keep_idx: optional int [K] (shared by the batch, as the reference) or [B, K] patch
         indices in raster order to keep for the masked forward; the others are dropped before
         [CLS]/[UNC] are prepended and the position embeddings are gathered to match.
+        train: SizeAugment (size_augment > 0) on, drawing from the flax rng stream "augment".
         """
         c = self.config
         b, h, w, ch = images.shape
@@ -60,7 +78,8 @@ class VisionTower(nn.Module):
             x = x + self.param("patch_bias", nn.with_logical_partitioning(
                 uniform((3 * p * p) ** -0.5), ("embed",)), (d,)).astype(self.dtype)
 
-        n_prefix = int(c.class_token) + int(c.embed_unc)  # [CLS]? [UNC]? before the patches
+        unc_token = c.embed_unc and c.unc_head == "unc_token"  # ProLIP's [UNC]
+        n_prefix = int(c.class_token) + int(unc_token)  # [CLS]? [UNC]? before the patches
         pos = self.param("positional_embedding", nn.with_logical_partitioning(
             normal(scale), ("pos", "embed")), (c.num_patches + n_prefix, d)).astype(self.dtype)
         pos_special, pos_patches = pos[:n_prefix], pos[n_prefix:]
@@ -75,7 +94,7 @@ class VisionTower(nn.Module):
         special = []
         if c.class_token:
             special.append(self.param("class_embedding", nn.with_logical_partitioning(normal(scale), ("embed",)), (d,)))
-        if c.embed_unc:
+        if unc_token:
             special.append(self.param("unc_embedding", nn.with_logical_partitioning(normal(scale), ("embed",)), (d,)))
         x = x + pos_patches
         if special:
@@ -87,29 +106,65 @@ class VisionTower(nn.Module):
             x = LayerNorm(c.ln_eps, self.dtype, name="ln_pre")(x)
         act = "quick_gelu" if self.quick_gelu else c.act
         init = block_init(d, c.layers, c.mlp_dim, "torch")
-        x = Encoder(c.layers, c.heads, c.mlp_dim, c.ln_eps, act, init, self.dtype, self.attention_impl,
-                    self.remat, name="transformer")(x)
+        encoder = Encoder(c.layers, c.heads, c.mlp_dim, c.ln_eps, act, init, self.dtype, self.attention_impl,
+                          self.remat, name="transformer")
+        x_unc = None
+        if c.embed_unc and c.unc_head == "block":  # the stream splits after block L - n
+            split = c.layers - c.unc_layers
+            x = encoder(x, stop=split)
+            x_unc = Encoder(c.unc_layers, c.heads, c.mlp_dim, c.ln_eps, act, init, self.dtype,
+                            self.attention_impl, self.remat, name="unc_transformer")(x)
+            x = encoder(x, start=split)
+        else:
+            x = encoder(x)
+        proj = None
+        if c.proj:
+            proj = self.param("proj", nn.with_logical_partitioning(normal(scale), ("embed", "proj")),
+                              (d, self.embed_dim)).astype(self.dtype)
 
         ln_post = LayerNorm(c.ln_eps, self.dtype, name="ln_post")
         unc_index = int(c.class_token)
+        if c.pool == "gpo":
+            return self._gpo(ln_post(x), x_unc, proj, train)
         if c.pool == "tok":
             # ln_post is per token and only the prefix tokens are read, so apply it there only.
             pooled = ln_post(x[:, :n_prefix])
             mu_token = pooled[:, 0]
-            if c.embed_unc:
+            if unc_token:
                 mu_token = ln_post(mu_token)  # ProLIP's CLS gets ln_post twice (REFERENCE §1.2 step 6)
         else:  # "map": final norm on every token, then attention pooling (big_vision/timm SigLIP)
             pooled = ln_post(x)
             mu_token = MAPHead(c.heads, c.mlp_dim, c.ln_eps, act, init, self.dtype, self.attention_impl,
                                name="map_head")(pooled)
 
-        mu = mu_token
-        if c.proj:
-            proj = self.param("proj", nn.with_logical_partitioning(normal(scale), ("embed", "proj")),
-                              (d, self.embed_dim))
-            mu = jnp.dot(mu_token, proj.astype(self.dtype))
+        mu = mu_token if proj is None else jnp.dot(mu_token, proj)
         if not c.embed_unc:
             return mu.astype(jnp.float32), None
-        logvar = Linear(self.embed_dim, ("embed", "proj"), normal(scale), constant(c.init_unc_bias),
-                        self.dtype, name="uncertainty_proj")(pooled[:, unc_index])
+        if c.unc_head == "unc_token":
+            spherical = c.covariance == "spherical"
+            logvar = Linear(1 if spherical else self.embed_dim, ("embed", "proj"), normal(scale),
+                            constant(c.init_unc_bias), self.dtype, name="uncertainty_proj")(pooled[:, unc_index])
+            logvar = jnp.broadcast_to(logvar, mu.shape) if spherical else logvar
+        else:  # "block": the [CLS] of the duplicated branch; "embedding": the same pooled feature
+            logvar = self._unc_projection(x_unc[:, 0] if c.unc_head == "block" else mu_token)
         return mu.astype(jnp.float32), logvar.astype(jnp.float32)
+
+    def _unc_projection(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        return unc_projection(x, self.embed_dim, c.covariance, xavier_uniform, c.init_unc_bias, self.dtype)
+
+    def _gpo(self, tokens: jax.Array, x_unc: jax.Array | None, proj: jax.Array | None, train: bool
+             ) -> tuple[jax.Array, jax.Array | None]:
+        """pool 'gpo': every output token (ln_post'ed, projected) pooled by GPO; SizeAugment in
+        training drops the same tokens from both branches (img_encoder.py forward_base)."""
+        c = self.config
+        b, t, _ = tokens.shape
+        keep = jnp.ones((b, t), bool)
+        if train and c.size_augment > 0:
+            keep = size_augment_keep(self.make_rng("augment"), b, t, c.size_augment)
+        mu = GPO(c.gpo_dim, name="gpo")(tokens if proj is None else jnp.einsum("btd,de->bte", tokens, proj), keep)
+        if not c.embed_unc:
+            return mu, None
+        logvar = GPO(c.gpo_dim, name="unc_gpo")(self._unc_projection(x_unc if c.unc_head == "block" else tokens),
+                                                keep)
+        return mu, logvar
