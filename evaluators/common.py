@@ -33,6 +33,24 @@ def tokenizer_from(config: Any, context_length: int, what: str) -> Callable:
     return build_tokenizer(**kw)
 
 
+def tokenize_checked(tokenizer: Callable, texts: list[str], what: str) -> np.ndarray:
+    """tokenizer(texts); logs a warning naming the texts cut at the context length (a prompt
+    whose class word falls past the cut scores as a prompt without it, silently otherwise).
+    Tokenizers without `encode_with_truncation` are called as they are."""
+    if not hasattr(tokenizer, "encode_with_truncation"):
+        return tokenizer(texts)
+    tokens, cut = tokenizer.encode_with_truncation(texts)
+    if cut.any():
+        import logging
+
+        examples = [texts[i] for i in np.flatnonzero(cut)[:3]]
+        logging.getLogger(__name__).warning(
+            "%s: %d of %d texts are longer than the tokenizer's context length (%d tokens) and were "
+            "cut, e.g. %s; use a longer context or shorter templates / class names.", what,
+            int(cut.sum()), len(texts), tokenizer.context_length, examples)
+    return tokens
+
+
 @functools.partial(jax.jit, static_argnames="kind")
 def _scores(q_mu: jax.Array, q_lv: jax.Array | None, g_mu: jax.Array, g_lv: jax.Array | None,
             kind: str) -> jax.Array:

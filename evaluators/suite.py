@@ -276,7 +276,8 @@ class Evaluator:
                                                            self.tfds_data_dir)
         import jax
 
-        tokens = self.tokenizer(zs.prompts(names, templates))
+        tokens = common.tokenize_checked(self.tokenizer, zs.prompts(names, templates),
+                                         f"{task.get('id', 'zero-shot')} prompts")
         text_mu, text_lv = self.encoder.texts(params, tokens)
         batches = es.batches(self.encoder.batch_size * jax.process_count(), self.image_size,
                              self.encoder.normalization, self.threads)

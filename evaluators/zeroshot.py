@@ -245,7 +245,8 @@ class Evaluator:
         (the log sigma^2 are None for a deterministic model)."""
         import jax
 
-        tokens = self.tokenizer(prompts(self.classnames, self.templates))
+        tokens = common.tokenize_checked(self.tokenizer, prompts(self.classnames, self.templates),
+                                         f"zero-shot {self.name} prompts")
         text_mu, text_lv = self.encoder.texts(params, tokens)
         batches = self.data.batches(self.encoder.batch_size * jax.process_count(),
                                     self.image_size, self.encoder.normalization, self.threads)

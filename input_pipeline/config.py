@@ -58,6 +58,9 @@ class DataConfig:
     # Used when no tokenizer object is passed to the builder:
     # kwargs of `input_pipeline.tokenizers.build_tokenizer(kind, path, context_length, ...)`.
     tokenizer: Mapping[str, Any] | None = None
+    # Train: the share of captions cut at the tokenizer's context length (counted as the stat
+    # "truncated") above which a warning is logged, once; None: never warn.
+    max_truncated_share: float | None = 0.01
 
     def __post_init__(self):
         if self.source not in SOURCES:
@@ -74,6 +77,9 @@ class DataConfig:
         for name in ("num_workers", "read_threads", "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"data.{name} must be >= 0, got {getattr(self, name)}.")
+        if self.max_truncated_share is not None and not 0 <= self.max_truncated_share <= 1:
+            raise ValueError(f"data.max_truncated_share must be None or in [0, 1], got "
+                             f"{self.max_truncated_share}.")
         if self.num_epochs is not None and self.num_epochs < 1:
             raise ValueError(f"data.num_epochs must be None or >= 1, got {self.num_epochs}.")
         if self.source in ("tar", "array_record") and not self.path:

@@ -2,7 +2,8 @@
 
     it = build_train_iterator(config.data, tokenizer)   # process index/count from jax
     batch = next(it)     # {"image": float32 [b, S, S, 3], "text": int32 [b, L]}, b = batch/P
-    it.stats             # {"examples": ..., "skipped": ..., "skipped/corrupt_image": ...}
+    it.stats             # {"examples": ..., "skipped": ..., "skipped/corrupt_image": ...,
+                         #  "truncated": captions cut at the context length, "truncated_share"}
     state = it.get_state(); ...; it.set_state(state)     # JSON-able dict; exact resume
     it.set_states([state of every host])   # resume on another host or worker count
     # or inside an orbax checkpoint: grain.checkpoint.CheckpointSave(it) / CheckpointRestore(it)
@@ -10,7 +11,10 @@
 
 Records that must be dropped (records.SKIP_REASONS) are counted inside the worker that met
 them; the counts ride along in each batch (key "_skipped") and the iterator sums them, so the
-numbers are exact with any number of worker processes and survive a restore.
+numbers are exact with any number of worker processes and survive a restore. Captions the
+tokenizer cuts at its context length (tokenizers.Tokenizer.encode_with_truncation) are counted
+the same way ("_truncated"), and a warning is logged once their share passes
+data.max_truncated_share (truncation is silent otherwise: a cut class word is just gone).
 """
 from __future__ import annotations
 
@@ -106,8 +110,15 @@ class _BatchIterator(grain.DatasetIterator):
                 captions[i] = r["caption"]
             else:
                 images[i] = 0
+        truncated = None
         if valid:
-            tokens = np.asarray(ds.tokenizer([captions[i] for i in np.flatnonzero(mask)]))
+            texts = [captions[i] for i in np.flatnonzero(mask)]
+            if hasattr(ds.tokenizer, "encode_with_truncation"):
+                tokens, cut = ds.tokenizer.encode_with_truncation(texts)
+                truncated = np.int64(np.count_nonzero(cut))
+            else:  # a tokenizer that cannot tell (tests' stand-ins, the demo's): not counted
+                tokens = ds.tokenizer(texts)
+            tokens = np.asarray(tokens)
             if tokens.ndim != 2 or tokens.shape[0] != len(valid):
                 raise ValueError(f"The tokenizer returned shape {tokens.shape} for "
                                  f"{len(valid)} texts; expected [N, context_length].")
@@ -122,6 +133,8 @@ class _BatchIterator(grain.DatasetIterator):
             images = transforms.normalize(
                 images, ds.normalization, out=self._array(images.shape, np.float32, True))
         out = {"image": images, "text": text, "_skipped": counts}
+        if truncated is not None:
+            out["_truncated"] = truncated
         if not ds.train:
             out["mask"] = mask
         if valid and all("label" in r for r in valid):
@@ -155,7 +168,8 @@ class InputIterator(grain.DatasetIterator):
 
     def __init__(self, parent: grain.DatasetIterator, fingerprint: Mapping[str, Any],
                  layout: Mapping[str, int] | None = None, dataset: Any = None,
-                 order: Any = None):
+                 order: Any = None, max_truncated_share: float | None = None,
+                 context_length: int | None = None):
         super().__init__(parent)
         self._fingerprint = dict(fingerprint)
         self._layout = dict(layout or {"process_index": 0, "process_count": 1,
@@ -164,6 +178,10 @@ class InputIterator(grain.DatasetIterator):
         self._counts = np.zeros(len(SKIP_REASONS), np.int64)
         self._examples = 0
         self._batches = 0
+        self._truncated: int | None = None   # None: the tokenizer does not report truncation
+        self._max_truncated_share = max_truncated_share
+        self._context_length = context_length
+        self._warned_truncation = False
         self._started = False
 
     def __next__(self) -> dict[str, np.ndarray]:
@@ -173,7 +191,27 @@ class InputIterator(grain.DatasetIterator):
         self._counts += np.asarray(batch.pop("_skipped"))
         self._examples += int(batch["mask"].sum()) if "mask" in batch else len(batch["text"])
         self._batches += 1
+        if "_truncated" in batch:
+            self._truncated = (self._truncated or 0) + int(batch.pop("_truncated"))
+            self._check_truncation()
         return batch
+
+    def _check_truncation(self) -> None:
+        """Warns once when the share of truncated captions passes the configured limit."""
+        limit = self._max_truncated_share
+        if self._warned_truncation or limit is None or not self._examples:
+            return
+        share = self._truncated / self._examples
+        if share > limit:
+            self._warned_truncation = True
+            at = f" of {self._context_length} tokens" if self._context_length else ""
+            log.warning(
+                "%d of %d captions so far (%.1f%%) were longer than the context length%s and were "
+                "cut (more than data.max_truncated_share=%g; counted as data/truncated): the words "
+                "past the cut are lost. Use a longer context (data.tokenizer.context_length and "
+                "the model's text context_length) or a tokenizer that keeps words whole "
+                "(scripts/train_tokenizer.py reports the longest caption).", self._truncated,
+                self._examples, 100 * share, at, limit)
 
     @property
     def layout(self) -> dict[str, int]:
@@ -192,12 +230,16 @@ class InputIterator(grain.DatasetIterator):
         out = {"examples": self._examples, "batches": self._batches,
                "skipped": int(self._counts.sum())}
         out.update({f"skipped/{r}": n for r, n in self.skip_counts.items()})
+        if self._truncated is not None:
+            out["truncated"] = self._truncated
+            out["truncated_share"] = self._truncated / max(self._examples, 1)
         return out
 
     def get_state(self) -> dict[str, Any]:
         return {"version": _STATE_VERSION, "source": self._parent.get_state(),
                 "skipped": self.skip_counts, "examples": self._examples,
-                "batches": self._batches, "fingerprint": self._fingerprint,
+                "batches": self._batches, "truncated": self._truncated,
+                "fingerprint": self._fingerprint,
                 "layout": self._layout,
                 "origin": self._order.origin if self._order is not None else None}
 
@@ -217,6 +259,7 @@ class InputIterator(grain.DatasetIterator):
         self._parent.set_state(state["source"])
         self._counts = np.array([state["skipped"].get(r, 0) for r in SKIP_REASONS], np.int64)
         self._examples, self._batches = int(state["examples"]), int(state["batches"])
+        self._truncated = state.get("truncated")   # absent in states saved before it was counted
 
     def set_states(self, states: Sequence[dict[str, Any]]) -> None:
         """Resumes from the states of every host of a saved run, with any process and worker
@@ -256,6 +299,8 @@ class InputIterator(grain.DatasetIterator):
         first = self._layout["process_index"] == 0
         self._counts = counts if first else np.zeros_like(counts)
         self._examples = sum(int(s["examples"]) for s in states) if first else 0
+        if any(s.get("truncated") is not None for s in states):
+            self._truncated = sum(int(s.get("truncated") or 0) for s in states) if first else 0
         self._batches = int(states[0]["batches"])
         if first:
             log.warning("Data resumed on a new layout: %d hosts x %d workers -> %d hosts x %d "
@@ -462,9 +507,12 @@ def build_train_iterator(config: Mapping[str, Any] | DataConfig,
 
     Batches are always full: dropped records are replaced by the next ones. With a finite
     `num_epochs` the last partial batch of each worker is dropped."""
-    ds, fingerprint, layout, order = _build(config, tokenizer, True, process_index,
-                                            process_count)
-    return InputIterator(ds.__iter__(), fingerprint, layout, ds, order)
+    cfg = DataConfig.from_mapping(config)
+    tokenizer = resolve_tokenizer(cfg, tokenizer)
+    ds, fingerprint, layout, order = _build(cfg, tokenizer, True, process_index, process_count)
+    return InputIterator(ds.__iter__(), fingerprint, layout, ds, order,
+                         max_truncated_share=cfg.max_truncated_share,
+                         context_length=getattr(tokenizer, "context_length", None))
 
 
 def build_eval_iterator(config: Mapping[str, Any] | DataConfig,

@@ -184,8 +184,12 @@ class Tokenizer(abc.ABC):
         """Builds the encoding object from the stored file bytes (called once per process)."""
 
     @abc.abstractmethod
+    def _encode_counting(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Cleaned texts -> (int32 [N, context_length] with the kind's specials/padding,
+        bool [N]: the text did not fit and was cut)."""
+
     def _encode_cleaned(self, texts: list[str]) -> np.ndarray:
-        """Cleaned texts -> int32 [N, context_length] with the kind's specials/padding."""
+        return self._encode_counting(texts)[0]
 
     @property
     def backend(self) -> Any:
@@ -208,6 +212,44 @@ class Tokenizer(abc.ABC):
         if not cleaned:
             return np.zeros((0, self.context_length), np.int32)
         return self._encode_cleaned(cleaned)
+
+    def encode_with_truncation(self, texts: Union[str, Sequence[str]]) -> tuple[np.ndarray, np.ndarray]:
+        """``(self(texts), truncated)``: truncated bool [N] marks the texts whose pieces (with the
+        kind's specials) did not fit in ``context_length`` and were cut. Truncation is otherwise
+        silent, so the input pipeline counts it (``data/truncated``) and zero-shot warns with it."""
+        if isinstance(texts, str):
+            texts = [texts]
+        cleaned = [self._clean_fn(t) for t in texts]
+        if not cleaned:
+            return np.zeros((0, self.context_length), np.int32), np.zeros((0,), bool)
+        return self._encode_counting(cleaned)
+
+    # Token kinds of `token_kind`: what an id is in this tokenizer's vocabulary.
+    TOKEN_KINDS = ("special", "unknown", "normal", "byte", "unused", "outside")
+
+    def token_kind(self, token_id: int) -> str:
+        """What ``token_id`` is here: "special" (control / user-defined / added special token,
+        pad and EOS included: never produced from text), "unknown" (the ``<unk>`` id),
+        "normal" (an ordinary piece text is encoded into), "byte" / "unused" (SentencePiece
+        byte-fallback / unused pieces) or "outside" (>= vocab_size: never produced)."""
+        i = int(token_id)
+        if i < 0 or i >= self.vocab_size:
+            return "outside"
+        if i in (self.pad_id, self.eos_id):
+            return "special"
+        return self._token_kind(i)
+
+    def _token_kind(self, token_id: int) -> str:
+        return "normal"
+
+    def id_to_piece(self, token_id: int) -> Optional[str]:
+        """The vocabulary string of ``token_id`` (None outside the vocabulary)."""
+        return None
+
+    def special_ids(self) -> dict[int, str]:
+        """{id: piece} of the special ids that encoding text never produces (not pad/EOS/BOS;
+        e.g. a ``[MASK]`` piece): free for the trainer's masking."""
+        return {}
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -292,7 +334,7 @@ class SentencePieceTokenizer(Tokenizer):
         except Exception as e:  # sentencepiece raises a bare RuntimeError on a bad proto
             raise ValueError(f"{self.path!r} is not a valid SentencePiece model: {e}") from e
 
-    def _encode_cleaned(self, texts: list[str]) -> np.ndarray:
+    def _encode_counting(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         sp = self.backend
         if len(texts) < 32:  # the batch API starts a thread pool per call: ~40 us of overhead
             pieces = [sp.encode(t, out_type=int, add_bos=False, add_eos=False) for t in texts]
@@ -304,7 +346,41 @@ class SentencePieceTokenizer(Tokenizer):
             rows = [ids[: L - 1] + [self.eos_id] for ids in pieces]
         else:
             rows = [ids[:L] for ids in pieces]
-        return _pack_rows(rows, L, self.pad_id)
+        room = L - 1 if self.add_eos else L
+        truncated = np.fromiter((len(ids) > room for ids in pieces), bool, len(pieces))
+        return _pack_rows(rows, L, self.pad_id), truncated
+
+    def _piece_types(self) -> list[int]:
+        """The ModelProto piece type of every id (1 normal, 2 unknown, 3 control, 4 user-defined,
+        5 unused, 6 byte). sentencepiece's Python API has no is_user_defined, so the proto is read
+        (protobuf); without protobuf, user-defined pieces count as normal."""
+        types = self.__dict__.get("_types")
+        if types is None:
+            try:
+                from sentencepiece import sentencepiece_model_pb2 as pb
+
+                proto = pb.ModelProto()
+                proto.ParseFromString(self._model_bytes)
+                types = [int(p.type) for p in proto.pieces]
+            except Exception:  # pylint: disable=broad-except  (no protobuf, or a proto it cannot read)
+                sp = self.backend
+                types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 5 if sp.is_unused(i)
+                         else 6 if sp.is_byte(i) else 1 for i in range(self.vocab_size)]
+            self._types = types
+        return types
+
+    def _token_kind(self, token_id: int) -> str:
+        t = self._piece_types()[token_id]
+        return {2: "unknown", 3: "special", 4: "special", 5: "unused", 6: "byte"}.get(t, "normal")
+
+    def id_to_piece(self, token_id: int) -> Optional[str]:
+        i = int(token_id)
+        return self.backend.id_to_piece(i) if 0 <= i < self.vocab_size else None
+
+    def special_ids(self) -> dict[int, str]:
+        types = self._piece_types()
+        return {i: self.id_to_piece(i) for i, t in enumerate(types)
+                if t in (3, 4) and i not in (self.pad_id, self.eos_id)}
 
     def decode(self, ids: Sequence[int]) -> str:
         """Pieces -> text, dropping pad/EOS ids."""
@@ -391,10 +467,40 @@ class HFJsonTokenizer(Tokenizer):
 
         return self._configure(_HFTok.from_str(self._json))
 
-    def _encode_cleaned(self, texts: list[str]) -> np.ndarray:
+    def _encode_counting(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         encodings = self.backend.encode_batch(texts, add_special_tokens=True)
         ids = np.asarray([e.ids for e in encodings], dtype=np.int32)
-        return ids.reshape(len(texts), self.context_length)
+        # With truncation on, the library keeps what was cut off in `overflowing`.
+        truncated = np.fromiter((len(e.overflowing) > 0 for e in encodings), bool, len(encodings))
+        return ids.reshape(len(texts), self.context_length), truncated
+
+    def _unk_id(self) -> Optional[int]:
+        import json as _json
+
+        model = _json.loads(self._json).get("model") or {}
+        if isinstance(model.get("unk_id"), int):  # Unigram
+            return model["unk_id"]
+        unk = model.get("unk_token")
+        return None if unk is None else self.backend.token_to_id(unk)
+
+    def _token_kind(self, token_id: int) -> str:
+        if self._is_added_special(token_id):
+            return "special"
+        if token_id == self._unk_id():
+            return "unknown"
+        return "normal"
+
+    def id_to_piece(self, token_id: int) -> Optional[str]:
+        return self.backend.id_to_token(int(token_id))
+
+    def special_ids(self) -> dict[int, str]:
+        emitted = set(self.backend.encode("a", add_special_tokens=True).ids)  # BOS/CLS/SEP, pad
+        return {int(i): t.content for i, t in self.backend.get_added_tokens_decoder().items()
+                if t.special and int(i) not in emitted | {self.pad_id, self.eos_id}}
+
+    def _is_added_special(self, token_id: int) -> bool:
+        t = self.backend.get_added_tokens_decoder().get(int(token_id))
+        return t is not None and t.special
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
@@ -506,16 +612,33 @@ class ClipBpeTokenizer(Tokenizer):
         word_ids = self.backend
         return [i for word in _CLIP_PATTERN.findall(text) for i in word_ids(word)]
 
-    def _encode_cleaned(self, texts: list[str]) -> np.ndarray:
+    def _encode_counting(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         L = self.context_length
-        rows = []
-        for text in texts:
+        rows, truncated = [], np.zeros(len(texts), bool)
+        for i, text in enumerate(texts):
             row = [self.sot_id] + self.encode_words(text) + [self.eos_id]
             if len(row) > L:  # open_clip: tokens = tokens[:L]; tokens[-1] = eot
                 row = row[:L]
                 row[-1] = self.eos_id
+                truncated[i] = True
             rows.append(row)
-        return _pack_rows(rows, L, self.pad_id)
+        return _pack_rows(rows, L, self.pad_id), truncated
+
+    def _token_kind(self, token_id: int) -> str:
+        # pad id 0 is also the piece "!" (open_clip pads with 0); only SOT/EOT are special.
+        return "special" if token_id == self.sot_id else "normal"
+
+    def id_to_piece(self, token_id: int) -> Optional[str]:
+        i = int(token_id)
+        if not 0 <= i < self.vocab_size:
+            return None
+        decoder = self.__dict__.get("_decoder")
+        if decoder is None:
+            decoder = self._decoder = {v: k for k, v in self._encoder.items()}
+        return decoder.get(i)
+
+    def special_ids(self) -> dict[int, str]:
+        return {}  # SOT starts every row: no special id is free
 
     def decode(self, ids: Sequence[int]) -> str:
         """open_clip ``decode`` of one row, skipping ``<start_of_text>`` and stopping at

@@ -2,8 +2,8 @@
 
     import prolip_jax
     model = prolip_jax.load(path)             # CKPT dir or Hugging Face folder
-    mu, logvar = model.encode_image(images)   # float32 [N, H, W, 3], already normalised
-    mu, logvar = model.encode_text(token_ids) # int32 [N, L]
+    mu, logvar = model.encode_image(model.preprocess(pil_images))  # the training's resize/crop/normalisation
+    mu, logvar = model.encode_text(model.tokenize(texts))          # the tokenizer recorded with it
 """
 from prolip_jax.api import PretrainedProLIP, load
 from prolip_jax.models import ProLIP, ProLIPConfig, get_config

@@ -1,8 +1,15 @@
 """`prolip_jax.load(path)`: a ready-to-use model from a CKPT directory or a Hugging Face folder.
 
     model = prolip_jax.load(path)
-    mu, logvar = model.encode_image(images)     # float32 [N, H, W, 3], already normalised
-    mu, logvar = model.encode_text(token_ids)   # int32 [N, L]
+    mu, logvar = model.encode_image(model.preprocess(pil_images))   # or float32 [N, S, S, 3]
+    mu, logvar = model.encode_text(model.tokenize(texts))           # or int32 [N, L]
+
+`preprocess` is the training's evaluation transform: RGB, bicubic resize of the shorter side to
+the model's image size S, centre crop S x S, pixels / 255, then (x - mean) / std with the
+training's `data.normalization` (recorded in the checkpoint; "openai" = OpenAI CLIP's mean
+(0.48145466, 0.4578275, 0.40821073) / std (0.26862954, 0.26130258, 0.27577711), the reference's;
+"0.5" = SigLIP's 0.5 / 0.5). `tokenize` uses the tokenizer recorded with the checkpoint
+(prolip_jax/tokenizer_files.py) or exported with a Hugging Face folder.
 
 mu is L2-normalised and log sigma^2 raw, both float32 numpy [N, D]. `path` may also be a
 Hugging Face repo id or any source `prolip_jax.pretrained.loader.load_pretrained` reads
@@ -36,6 +43,8 @@ class PretrainedProLIP:
     batch_size: int = 256
     step: int | None = None  # the checkpoint step it was loaded from (None: a Hugging Face folder)
     report: Any = None  # the ImportReport of an imported (non-prolip_jax) source
+    tokenizer: Any = None  # the recorded tokenizer (input_pipeline.tokenizers), if any
+    normalization: Any = "openai"  # a transforms.NORMALIZATIONS name or a (mean, std) pair
 
     def __post_init__(self):
         self.module = ProLIP(self.config, dtype=self.dtype)
@@ -87,15 +96,75 @@ class PretrainedProLIP:
         return self.encoder.texts(self.params, tokens.astype(np.int32))
 
 
+    def preprocess(self, images: Any) -> np.ndarray:
+        """PIL images (any mode and size; or one image) -> float32 [N, S, S, 3] for encode_image:
+        RGB, bicubic resize of the shorter side to S = the model's image size, centre crop,
+        / 255, then (x - mean) / std of `self.normalization` (the training's data.normalization;
+        "openai": mean (0.48145466, 0.4578275, 0.40821073), std (0.26862954, 0.26130258,
+        0.27577711); "0.5": 0.5 / 0.5). The same transform the evaluators and the input
+        pipeline's eval path apply (input_pipeline.transforms.eval_transform + normalize)."""
+        from PIL import Image
+
+        from input_pipeline import transforms
+
+        if isinstance(images, Image.Image):
+            images = [images]
+        s = self.config.vision.image_size
+        pixels = np.stack([transforms.eval_transform(_rgb(img), s) for img in images]) if len(images) else (
+            np.zeros((0, s, s, 3), np.uint8))
+        mean, std = convert.normalization_mean_std(self.normalization)
+        return ((pixels.astype(np.float32) / 255.0 - np.asarray(mean, np.float32))
+                / np.asarray(std, np.float32)).astype(np.float32)
+
+    def tokenize(self, texts: Any) -> np.ndarray:
+        """texts (a string or N strings) -> int32 [N, L] with the model's recorded tokenizer
+        (cleaning, EOS and padding as in training; L = the training's context length)."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "this model carries no tokenizer (a checkpoint written before tokenizers were recorded, "
+                "an imported model, or a folder exported without one): pass one to "
+                "prolip_jax.load(path, tokenizer=dict(kind=..., path=...)) (input_pipeline.tokenizers"
+                f".build_tokenizer kwargs; config.json names {self.config.text.hf_tokenizer_name!r})")
+        return np.asarray(self.tokenizer(texts), np.int32)
+
+
+def _rgb(img: Any) -> Any:
+    """A PIL image as RGB (transparency composited on white, as input_pipeline.decode does)."""
+    from input_pipeline.decode import _to_rgb
+
+    out = _to_rgb(img)
+    if not hasattr(out, "mode"):  # a Skip: a mode PIL cannot convert
+        raise ValueError(f"cannot convert a {img.mode!r} image to RGB")
+    return out
+
+
+def _tokenizer_arg(tokenizer: Any, context_length: int) -> Any:
+    """load(tokenizer=...): a tokenizer object, or build_tokenizer kwargs (dict(kind, path, ...))."""
+    if tokenizer is None or callable(tokenizer):
+        return tokenizer
+    from input_pipeline.tokenizers import build_tokenizer
+
+    kw = dict(tokenizer)
+    kw.setdefault("context_length", context_length)
+    return build_tokenizer(**kw)
+
+
 def load(path: str | os.PathLike, dtype: Any = jnp.float32, step: int | None = None,
-         batch_size: int = 256, format: str = "auto", arch: Any = None) -> PretrainedProLIP:
+         batch_size: int = 256, format: str = "auto", arch: Any = None, tokenizer: Any = None,
+         normalization: Any = None) -> PretrainedProLIP:
     """Loads a prolip_jax checkpoint directory (CKPT) or a Hugging Face folder (config.json +
     model.safetensors, e.g. a downloaded `SanghyukChun/ProLIP-ViT-B-16-DC-1B-12_8B`), or a
     training workdir (its `checkpoints/` folder; the latest step unless `step` is given).
 
     Anything else goes through `load_pretrained(path, format, arch)`: a Hugging Face repo id
     (downloaded, or read from the hub cache with HF_HUB_OFFLINE=1), open_clip / timm
-    safetensors, a big_vision .npz."""
+    safetensors, a big_vision .npz.
+
+    The model's `tokenizer` (for `.tokenize`) is the one recorded with the checkpoint or written
+    into the exported folder; `tokenizer=` overrides it (a tokenizer, or build_tokenizer kwargs
+    such as dict(kind="sentencepiece", path="spiece.model")). `normalization` (for
+    `.preprocess`): default the training's data.normalization, else "openai" (the reference's;
+    imported SigLIP models want "0.5")."""
     from prolip_jax.pretrained import hub
 
     trainer_ckpts = Path(path) / "checkpoints"
@@ -117,10 +186,16 @@ def load(path: str | os.PathLike, dtype: Any = jnp.float32, step: int | None = N
                 f"{convert.WEIGHTS_NAME}), nor weights of another family ({e})") from e
         params = jax.device_put(params)
         step = None
+        recorded, recorded_norm = None, None  # other families: pass tokenizer= / normalization=
     elif convert.is_hf_dir(path):
         params, config = convert.load_hf(path)
         params = jax.device_put(params)
         step = None
+        recorded, recorded_norm = convert.load_hf_preprocessing(path)
     else:
         params, config, step = checkpoint.load_params(path, step=step)
-    return PretrainedProLIP(config, params, dtype=dtype, batch_size=batch_size, step=step, report=report)
+        recorded = checkpoint.load_tokenizer(path, step=step)
+        recorded_norm = checkpoint.training_normalization(checkpoint.load_config(path, step)[1])
+    return PretrainedProLIP(config, params, dtype=dtype, batch_size=batch_size, step=step, report=report,
+                            tokenizer=_tokenizer_arg(tokenizer, config.text.context_length) or recorded,
+                            normalization=normalization or recorded_norm or "openai")

@@ -4,6 +4,8 @@
       <step>/params/            float32 model parameters (orbax StandardSave, any sharding)
       <step>/config/            JSON: {"model": <reference config.json dict>, ...metadata}
       <step>/...                the trainer adds its own items (optimizer state, data iterator)
+      tokenizer-<sha>.<ext>     the tokenizer file of training (its record, with sha256, is the
+                                config's "tokenizer" entry; prolip_jax/tokenizer_files.py)
 
 Everything needed to rebuild the model is inside (`params` + `config`), so `prolip_jax.load`,
 `scripts/convert_to_pytorch.py` and the evaluators take a CKPT path alone. A path to one
@@ -31,10 +33,14 @@ CONFIG = "config"
 
 
 def save_params(directory: str | os.PathLike, params: Mapping[str, Any], config: ProLIPConfig,
-                step: int = 0, metadata: Mapping[str, Any] | None = None) -> Path:
-    """Writes a params-only checkpoint (what the converter produces) and waits for it."""
+                step: int = 0, metadata: Mapping[str, Any] | None = None, tokenizer: Any = None) -> Path:
+    """Writes a params-only checkpoint (what the converter produces) and waits for it.
+    `tokenizer`: a tokenizer_files.TokenizerFile to record with it."""
     directory = Path(directory).absolute()
     meta = {"model": config.to_dict(), **(metadata or {})}
+    if tokenizer is not None:
+        directory.mkdir(parents=True, exist_ok=True)
+        meta["tokenizer"] = tokenizer.write_into(directory)
     with ocp.CheckpointManager(directory) as mngr:
         mngr.save(step, args=ocp.args.Composite(**{
             PARAMS: ocp.args.StandardSave(params), CONFIG: ocp.args.JsonSave(meta)}))
@@ -70,6 +76,34 @@ def load_config(path: str | os.PathLike, step: int | None = None) -> tuple[ProLI
     if "model" not in meta:
         raise ValueError(f"{root / str(step) / CONFIG} has no 'model' entry (not a prolip_jax checkpoint?)")
     return ProLIPConfig.from_dict(meta["model"]), dict(meta), step
+
+
+def load_tokenizer(path: str | os.PathLike, step: int | None = None, context_length: int | None = None) -> Any:
+    """The tokenizer the checkpoint was trained with (rebuilt from the file recorded beside it,
+    its sha256 checked; `mask_id` / `protected_ids` attributes hold the training's masking ids),
+    or None for a checkpoint that records none (written before tokenizers were recorded, or
+    trained on random tokens). context_length: default the training's."""
+    from prolip_jax.tokenizer_files import tokenizer_from_record
+
+    root, step = resolve(path, step)
+    meta = load_config(root, step)[1]
+    return tokenizer_from_record(root, meta.get("tokenizer"), context_length)
+
+
+def load_tokenizer_file(path: str | os.PathLike, step: int | None = None) -> Any:
+    """The recorded tokenizer_files.TokenizerFile of a checkpoint (None if none is recorded)."""
+    from prolip_jax.tokenizer_files import TokenizerFile
+
+    root, step = resolve(path, step)
+    record = load_config(root, step)[1].get("tokenizer")
+    return TokenizerFile.read(root, record) if record else None
+
+
+def training_normalization(meta: Mapping[str, Any]) -> str | None:
+    """The image normalisation the model was trained with (`data.normalization` of the recorded
+    training config), or None when the checkpoint does not say (params-only checkpoints)."""
+    data = (meta.get("train_config") or {}).get("data") or {}
+    return data.get("normalization")
 
 
 def load_params(path: str | os.PathLike, step: int | None = None,
@@ -118,6 +152,11 @@ def save_train_state(mngr: ocp.CheckpointManager, step: int, state: Any, model_c
 
     meta = {"model": model_config.to_dict(), "train_config": json.loads(train_config.to_json_best_effort()),
             "locked": list(locked)}
+    tokenizer = getattr(data, "tokenizer_file", None)  # set by prolip_jax.data.build_train_data
+    if tokenizer is not None:
+        meta["tokenizer"] = tokenizer.record(tokenizer.stored_name)
+        if jax.process_index() == 0:  # one writer for the shared directory
+            tokenizer.write_into(mngr.directory)
     mngr.save(step, force=force, args=ocp.args.Composite(**{
         PARAMS: ocp.args.StandardSave(state.params),
         OPT_STATE: ocp.args.StandardSave(state.opt_state),
@@ -211,7 +250,9 @@ class BestKeeper:
     """Keeps `WORKDIR/best/<step>` (params + config, as `save_params` writes), the step whose
     `metric` was best so far; the value survives restarts (it is read back from the config item)."""
 
-    def __init__(self, directory: str | os.PathLike, settings: Mapping[str, Any], model_config: ProLIPConfig):
+    def __init__(self, directory: str | os.PathLike, settings: Mapping[str, Any], model_config: ProLIPConfig,
+                 tokenizer: Any = None):
+        self.tokenizer = tokenizer  # a tokenizer_files.TokenizerFile recorded with each kept step
         self.metric, self.mode = settings["metric"], settings["mode"]
         if self.mode not in KEEP_BEST_MODES:
             raise ValueError(f"config.keep_best.mode={self.mode!r} is not one of {KEEP_BEST_MODES}")
@@ -231,6 +272,10 @@ class BestKeeper:
             return False
         self.best = float(value)
         meta = {"model": self.model_config.to_dict(), "best": {"metric": self.metric, "value": self.best, "step": step}}
+        if self.tokenizer is not None:
+            meta["tokenizer"] = self.tokenizer.record(self.tokenizer.stored_name)
+            if jax.process_index() == 0:
+                self.tokenizer.write_into(self.mngr.directory)
         self.mngr.save(step, args=ocp.args.Composite(**{PARAMS: ocp.args.StandardSave(params),
                                                         CONFIG: ocp.args.JsonSave(meta)}), force=True)
         self.mngr.wait_until_finished()

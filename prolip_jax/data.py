@@ -4,6 +4,10 @@
 ArrayRecord, tfds, demo) or, with `data.source = "random"`, `RandomBatches`: random pixels and
 tokens that need no files, drawn for the *global* batch from (seed, step) and sliced to this
 host's rows, so a run gives the same global batches on any number of hosts.
+
+Before anything compiles, the tokenizer is checked against the model (`check_tokenizer`) and
+the masking ids against the tokenizer (`check_masking`); the iterator carries the tokenizer's
+file (`tokenizer_file`, a `prolip_jax.tokenizer_files.TokenizerFile`) for the checkpoints.
 """
 from __future__ import annotations
 
@@ -113,7 +117,15 @@ def build_train_data(config, model_config) -> Any:
         data_cfg["tokenizer"] = {"context_length": model_config.text.context_length, **data_cfg["tokenizer"]}
     tokenizer = resolve_tokenizer(DataConfig.from_mapping(data_cfg), None)
     check_tokenizer(tokenizer, model_config)
-    return build_train_iterator(data_cfg, tokenizer)
+    masking = config.get("masking")
+    if masking_in_use(config):
+        check_masking(tokenizer, masking, model_config.text.vocab_size)
+    it = build_train_iterator(data_cfg, tokenizer)
+    # The checkpoints record this file (checkpoint.save_train_state): the model travels with it.
+    from prolip_jax.tokenizer_files import TokenizerFile
+
+    it.tokenizer_file = TokenizerFile.of(tokenizer, masking)
+    return it
 
 
 def check_tokenizer(tokenizer: Any, model_config) -> None:
@@ -126,6 +138,95 @@ def check_tokenizer(tokenizer: Any, model_config) -> None:
     if tokenizer.context_length > t.context_length:
         raise ValueError(f"the tokenizer's context_length {tokenizer.context_length} exceeds the model's "
                          f"{t.context_length}")
+
+
+def masking_in_use(config) -> bool:
+    """Whether the run replaces text tokens by masking.mask_token_id (ProLIP's masked forward):
+    a masked share of rows, a text mask probability, and an objective that uses it."""
+    m = config.get("masking")
+    if not m or not m.get("fraction") or not m.get("text_mask_prob"):
+        return False
+    loss = config.get("loss")
+    name = loss.get("objective") if loss is not None else None
+    if not name:
+        return True
+    from prolip_jax import objectives
+
+    try:
+        return bool(getattr(objectives.get(name), "USES_MASKED", True))
+    except (ValueError, ImportError):  # an unknown objective is reported by the config check
+        return True
+
+
+def _describe(tokenizer: Any, token_id: int) -> str:
+    piece = tokenizer.id_to_piece(token_id)
+    kind = tokenizer.token_kind(token_id)
+    what = {"unknown": "the unknown-word id", "normal": "an ordinary piece text is encoded into",
+            "byte": "a byte-fallback piece text is encoded into", "special": "a special token",
+            "unused": "an unused piece", "outside": "outside the tokenizer's vocabulary"}[kind]
+    return f"{piece!r} ({what})" if piece is not None else what
+
+
+def _tokenizer_name(tokenizer: Any) -> str:
+    path = getattr(tokenizer, "path", None)
+    return f"the tokenizer {path}" if path else "the tokenizer"
+
+
+def check_masking(tokenizer: Any, masking: Any, model_vocab_size: int | None = None) -> None:
+    """`masking.mask_token_id` must be an id that no text encodes to (a special / reserved token
+    such as the [MASK] piece scripts/train_tokenizer.py reserves, or an id past the tokenizer's
+    vocabulary inside the model's embedding, as the reference's 32000); `<unk>` or a word piece
+    would make [MASK] indistinguishable from real text. `masking.protected_ids` must hold the
+    tokenizer's pad and EOS ids (never masked) and no ordinary piece. ValueError naming the id,
+    what it is in the tokenizer, and the id to use. Tokenizers that cannot describe their ids
+    (tests' stand-ins, the demo's) are not checked."""
+    if not hasattr(tokenizer, "token_kind"):
+        return
+    mask = int(masking["mask_token_id"])
+    protected = tuple(int(i) for i in masking["protected_ids"])
+    pad, eos = tokenizer.pad_id, getattr(tokenizer, "eos_id", None)
+    name = _tokenizer_name(tokenizer)
+    # Ids free for [MASK]: reserved specials no text encodes to, else the first id past the
+    # tokenizer's vocabulary if the model's embedding has rows there.
+    free = {i: p for i, p in tokenizer.special_ids().items() if i not in protected}
+    if not free and model_vocab_size is not None and tokenizer.vocab_size < model_vocab_size:
+        free = {tokenizer.vocab_size: None}
+    named = sorted(free, key=lambda i: ("mask" not in str(free[i]).lower(), i))
+    suggest = (f"--config.masking.mask_token_id={named[0]}"
+               + (f" ({free[named[0]]!r})" if free[named[0]] else " (an id the tokenizer never produces)")
+               if named else "")
+    kind = tokenizer.token_kind(mask)
+    problem = None
+    if mask in (pad, eos):
+        problem = (f"masking.mask_token_id={mask} is the pad/EOS id of {name}: masked tokens would read "
+                   f"as padding and be protected from masking")
+    elif kind in ("unknown", "normal", "byte"):
+        problem = (f"masking.mask_token_id={mask} is {_describe(tokenizer, mask)} in {name}: "
+                   f"[MASK] must be a reserved token no text encodes to, or the model learns "
+                   f"{'unknown words' if kind == 'unknown' else 'that piece'} and [MASK] as one token")
+    if problem and kind == "normal" and not named:
+        # No id to spare (e.g. the OpenAI CLIP BPE vocabulary fills the embedding exactly):
+        # a rarely used piece is the only choice, as configs/prolip_b16_datacomp.py's H/14.
+        import logging
+
+        logging.warning("%s; the tokenizer has no reserved id to use instead, so it is kept.", problem)
+        problem = None
+    if problem:
+        raise ValueError(problem + (f". Use {suggest}." if suggest else
+                                    ". Train a tokenizer with a reserved [MASK] piece (scripts/train_tokenizer.py)."))
+    missing = [f"{what} id {i}" for what, i in (("pad", pad), ("EOS", eos))
+               if i is not None and i not in protected]
+    if missing:
+        ids = tuple(sorted({i for i in (pad, eos) if i is not None} | set(protected)))
+        raise ValueError(f"masking.protected_ids={protected} lacks the {' and '.join(dict.fromkeys(missing))} of "
+                         f"{name}: padding / the end of every caption would be masked too. "
+                         f"Use --config.masking.protected_ids='{ids}'")
+    words = [i for i in protected if i not in (pad, eos) and tokenizer.token_kind(i) in ("unknown", "normal", "byte")]
+    if words:
+        raise ValueError(f"masking.protected_ids={protected} holds {', '.join(f'{i} = {_describe(tokenizer, i)}' for i in words)} "
+                         f"in {name}: protected ids are the pad/EOS ids that are never masked, and a word "
+                         f"there would never be masked. Use "
+                         f"--config.masking.protected_ids='{tuple(i for i in protected if i not in words)}'")
 
 
 def demo_kwargs(config, model_config) -> dict[str, Any]:

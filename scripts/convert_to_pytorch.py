@@ -1,9 +1,15 @@
 """Export a prolip_jax checkpoint to a Hugging Face folder that the reference PyTorch code loads.
 
     python scripts/convert_to_pytorch.py --checkpoint CKPT --out HF_DIR [--step N] [--overwrite]
+        [--tokenizer KIND:PATH]
 
 HF_DIR receives `config.json` + `model.safetensors` (keys and shapes of REFERENCE §4), which
-`prolip.model.ProLIPHF.from_pretrained(HF_DIR)` loads with no missing or unexpected key.
+`prolip.model.ProLIPHF.from_pretrained(HF_DIR)` loads with no missing or unexpected key, plus
+the tokenizer recorded with the checkpoint (its file, `tokenizer.json` + `tokenizer_config.json`
+for `AutoTokenizer` / the reference's `HFTokenizer(HF_DIR, ...)`; config.json's
+`hf_tokenizer_name` is then "." = this folder) and `preprocessor_config.json` with the
+training's normalisation. A checkpoint that records no tokenizer keeps the variant's default
+tokenizer name (a warning says so); `--tokenizer` gives one explicitly.
 Everything is checked before anything is written; the folder appears only when complete.
 """
 from __future__ import annotations
@@ -20,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output Hugging Face folder")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--tokenizer", default="",
+                   help="KIND:PATH (sentencepiece | hf | clip_bpe) to export instead of the recorded tokenizer")
     args = p.parse_args(argv)
 
     import jax
@@ -28,14 +36,44 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         params, config, step = checkpoint.load_params(args.checkpoint, step=args.step)
+        meta = checkpoint.load_config(args.checkpoint, step)[1]
+        tokenizer = explicit_tokenizer(args.tokenizer, config) or checkpoint.load_tokenizer_file(args.checkpoint, step)
         params = jax.tree.map(np.asarray, params)
-        out = convert.save_hf(args.out, params, config, overwrite=args.overwrite)
+        out = convert.save_hf(args.out, params, config, overwrite=args.overwrite, tokenizer=tokenizer,
+                              normalization=checkpoint.training_normalization(meta))
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     print(f"wrote {out} (step {step}, {n:,} parameters)")
+    if tokenizer is None:
+        print(f"warning: {args.checkpoint} records no tokenizer; config.json names "
+              f"{config.text.hf_tokenizer_name!r} (the model variant's default). Check that it is the one the "
+              f"model was trained with (vocabulary <= {config.text.vocab_size}), or pass --tokenizer KIND:PATH.",
+              file=sys.stderr)
+    else:
+        clean = tokenizer.kwargs.get("clean")
+        print(f"tokenizer: {tokenizer.kind} ({tokenizer.export_name}, sha256 {tokenizer.sha256[:12]}); in PyTorch: "
+              f"HFTokenizer({str(out)!r}, context_length={tokenizer.kwargs['context_length']}"
+              + (f", clean={clean!r})" if clean else ")"))
     return 0
+
+
+def explicit_tokenizer(spec: str, config) -> object:
+    """--tokenizer KIND:PATH -> a tokenizer_files.TokenizerFile (None without the flag)."""
+    if not spec:
+        return None
+    from input_pipeline.tokenizers import build_tokenizer
+    from prolip_jax.tokenizer_files import TokenizerFile
+
+    kind, _, path = spec.partition(":")
+    if not path:
+        raise ValueError("--tokenizer is KIND:PATH, e.g. sentencepiece:/data/tokenizer.model")
+    tokenizer = build_tokenizer(kind, path, context_length=config.text.context_length)
+    if tokenizer.vocab_size > config.text.vocab_size:
+        raise ValueError(f"--tokenizer {path} has {tokenizer.vocab_size} tokens but the model's text embedding "
+                         f"has {config.text.vocab_size} rows: not this model's tokenizer")
+    return TokenizerFile.of(tokenizer)
 
 
 if __name__ == "__main__":

@@ -315,7 +315,9 @@ def evaluate(checkpoint: str, config: Any, out: Path, step: int | None = None,
     for name, (cls, settings) in tqdm(modules.items(), desc="evaluators", file=sys.stderr):
         ecfg = {k: v for k, v in evals[name].items() if k not in EVAL_KEYS}
         start = time.perf_counter()
-        evaluator = cls(ecfg, model.module)
+        # The tokenizer recorded with the model, unless the eval config names one.
+        tokenizer = None if (ecfg.get("tokenizer") or {}).get("path") else model.tokenizer
+        evaluator = cls(ecfg, model.module, tokenizer)
         metrics, arrays = run_evaluator(evaluator, params, name)
         results.update({settings["prefix"] + k: v for k, v in metrics.items()})
         results[f"{name}/seconds"] = time.perf_counter() - start

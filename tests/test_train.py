@@ -99,7 +99,10 @@ def test_best_checkpoint_by_a_metric(runs):
             if "eval/zeroshot/object/top1_csd" in r}
     best_step = 3 if top1[3] >= top1[6] else 6  # the first of equal values is kept (strictly better only)
     params, meta, step = checkpoint.load_params(tmp / "straight" / "best")
-    assert step == best_step and sorted(p.name for p in (tmp / "straight" / "best").iterdir()) == [str(best_step)]
+    # One step kept (max_to_keep=1), beside the tokenizer file its config records.
+    assert step == best_step and sorted(p.name for p in (tmp / "straight" / "best").iterdir()
+                                        if not p.name.startswith("tokenizer-")) == [str(best_step)]
+    assert checkpoint.load_tokenizer(tmp / "straight" / "best").mask_id == 2  # the demo's, recorded
     _, meta, _ = checkpoint.load_config(tmp / "straight" / "best")
     assert meta["best"] == {"metric": "eval/zeroshot/object/top1_csd", "value": pytest.approx(top1[best_step]),
                             "step": best_step}
