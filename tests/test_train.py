@@ -149,7 +149,7 @@ def test_restore_onto_another_mesh(runs, tmp_path):
 def test_bad_configs_fail_before_compiling(tmp_path):
     with pytest.raises(ValueError, match="not divisible by the 8 data shards"):
         train.train(tiny_config(tmp_path, batch_size=12), str(tmp_path / "a"))
-    with pytest.raises(ValueError, match="multiple of mask_group"):
+    with pytest.raises(ValueError, match="multiple of masking.group"):
         train.train(tiny_config(tmp_path, **{"masking.group": 8}), str(tmp_path / "a"))
     with pytest.raises(ValueError, match="needs data.path"):
         train.train(tiny_config(tmp_path, **{"data.source": "array_record"}), str(tmp_path / "b"))
