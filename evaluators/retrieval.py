@@ -209,9 +209,14 @@ def load_data(config: Mapping[str, Any]) -> EvalSet:
     elif kind == "tfds":
         data = eval_data.tfds_captions(_get(c, "tfds_name", "coco_captions"),
                                        _get(c, "split", "test"), _get(c, "data_dir"))
+    elif kind == "tar":
+        if not _get(c, "path"):
+            raise ValueError("retrieval evaluator: dataset='tar' needs 'path' (tar shards: files, "
+                             "globs or a brace pattern)")
+        data = eval_data.image_text_tars(_get(c, "path"), limit=int(_get(c, "num_images", 0)))
     else:
         raise ValueError(f"retrieval evaluator: unknown dataset {kind!r}; "
-                         "use 'demo', 'karpathy' or 'tfds'")
+                         "use 'demo', 'karpathy', 'tfds' or 'tar'")
     if _get(c, "name"):
         data.name = _get(c, "name")
     return data
@@ -224,11 +229,13 @@ class Evaluator:
     """Retrieval evaluator; `run(params)` yields ("retrieval/<name>/<score>/<metric>", value).
 
     Config keys:
-      dataset: "demo" | "karpathy" | "tfds".
+      dataset: "demo" | "karpathy" | "tfds" | "tar".
         demo: demo=dict(cache_dir=..., <DemoConfig fields>).
         karpathy: karpathy_json, image_root, split ("test"), captions_per_image (5 for COCO),
           coco_annotations (captions_*2014.json paths, optional: real caption ids).
         tfds: tfds_name ("coco_captions"), split ("test"), data_dir.
+        tar: path (tar shards in the training layout, <key>.<image> + <key>.txt; one caption
+          per image), num_images (0 = all).
       tokenizer: dict(kind=..., path=..., **kw) for input_pipeline.tokenizers.build_tokenizer
         (not for demo, or pass `tokenizer=` to the constructor).
       name: dataset name in metric names (default demo / coco / flickr30k).

@@ -11,9 +11,15 @@ correlation with the bin index (REFERENCE §3.1 `eval_clsf_unc`), and optionally
 
 Config keys (dict or ml_collections.ConfigDict):
     dataset        "demo" | "imagefolder" | "tfds"                               (default "demo")
-    name           task name in the metric names (default: the demo task, else "imagenet")
+    name           task name in the metric names (default: the demo task; imagefolder: the
+                   root folder's name, "imagenet" for the ImageNet folders; else "imagenet")
     classnames, templates   lists, or paths to a JSON list / text file (one per line); default:
-                   the demo task's, else the shipped 1,000 ImageNet names / 80 OpenAI templates
+                   the demo task's, else the shipped 1,000 ImageNet names / 80 OpenAI templates.
+                   imagefolder: classnames default to the folder names ("_" -> " ") and are
+                   checked against the folders (`imagefolder_classnames`: a list in another
+                   order than the sorted folders, or naming other classes, is an error unless
+                   class_index gives the order); a {folder: name} mapping (or JSON object file)
+                   works too. ImageNet's 1,000 names only for the ImageNet folders or tfds.
     demo           kwargs of input_pipeline.demo.get_demo (cache_dir, image_size, num_zeroshot...)
     task           demo task: "object" (36 colour x shape classes) or "shape"    (default "object")
     root, split    imagefolder: <root>/<split>/<class_dir>/*.JPEG                  (split "val")
@@ -204,6 +210,116 @@ def eval_set(config: Any) -> eval_data.EvalSet:
     raise ValueError(f"unknown zero-shot dataset {kind!r}; use demo | imagefolder | tfds")
 
 
+def imagenet_wnids() -> list[str]:
+    """The 1,000 ImageNet-1k wnids, sorted (= the class-index order of imagenet_classnames)."""
+    import json
+
+    with open(DATA_DIR / "imagenet_wnids.json") as f:
+        return list(json.load(f)["imagenet1k"])
+
+
+def _norm_name(s: str) -> str:
+    return " ".join(str(s).replace("_", " ").lower().split())
+
+
+def _short(names: Sequence[str], n: int = 8) -> str:
+    names = list(names)
+    return repr(names[:n])[:-1] + (f", ... ({len(names)} in all)]" if len(names) > n else "]")
+
+
+def _given_classnames(value: Any) -> list[str] | dict[str, str] | None:
+    """config.classnames as given: None (empty), a list, or a {class_dir: name} mapping (a
+    mapping, or a path to a JSON object file; a path to a JSON list / text file is a list)."""
+    import json
+
+    if value is None or (isinstance(value, (str, list, tuple)) and len(value) == 0):
+        return None
+    if hasattr(value, "items"):
+        return {str(k): str(v) for k, v in value.items()}
+    if isinstance(value, str) and value.endswith(".json") and Path(value).is_file():
+        raw = json.loads(Path(value).read_text())
+        if isinstance(raw, dict):
+            return {str(k): str(v) for k, v in raw.items()}
+    return resolve_list(value, list, "class names")
+
+
+def imagefolder_classnames(info: dict[str, Any], classnames: Any) -> list[str]:
+    """The class names of an ImageFolder set in label order, checked against its folders.
+
+    Labels follow the sorted folder names (or the config's class_index), so a name list is only
+    right if it is in that order; a wrong order scores below chance without any other sign.
+      * no classnames: the folder names ("_" -> " "); ImageNet's names only when the folders
+        are ImageNet wnids (each folder gets its wnid's name);
+      * a {class_dir: name} mapping: must name every folder;
+      * a list with class_index: one name per label;
+      * a list without class_index: must be the folder names in sorted order ("_" = " ",
+        case ignored) -- another order, or names that differ from the folders, is an error
+        that says what differs and how to give the mapping (the 1,000 ImageNet names on the
+        ImageNet folders are the one exception: their order is the standard one).
+    """
+    dirs, index, where = info["class_dirs"], info["class_index"], info["where"]
+    names = _given_classnames(classnames)
+    n_labels = max(index.values()) + 1 if index else 0
+    fix = ("give class_index: the class folders in the order of your class names (a text file, "
+           "one folder per line, or a list), or give classnames as {folder: name} (a mapping or "
+           "a JSON object file)")
+
+    def by_label(name_of: dict[str, str]) -> list[str]:
+        out: list[str | None] = [None] * n_labels
+        for d, label in index.items():
+            if d in name_of:
+                out[label] = name_of[d]
+        gaps = [i for i, n in enumerate(out) if n is None]
+        if gaps:
+            raise ValueError(f"zero-shot on {where}: labels {gaps[:8]} have no class name "
+                             "(class_index skips them)")
+        return out
+
+    wnids = imagenet_wnids()
+    is_imagenet = set(dirs) == set(wnids)
+    if names is None:
+        if dirs and set(dirs) <= set(wnids):   # ImageNet or a subset of it: names by wnid
+            imagenet = dict(zip(wnids, imagenet_classnames()))
+            return by_label({d: imagenet[d] for d in index if d in imagenet})
+        return by_label({d: d.replace("_", " ") for d in index})
+    if isinstance(names, dict):
+        missing = [d for d in dirs if d not in names]
+        if missing:
+            raise ValueError(f"zero-shot on {where}: classnames (a {{folder: name}} mapping) names "
+                             f"no class for the folders {_short(missing)}")
+        return by_label({d: names.get(d, d.replace("_", " ")) for d in index})
+    if info.get("class_index_given"):
+        if len(names) != n_labels:
+            raise ValueError(f"zero-shot on {where}: {len(names)} class names but class_index "
+                             f"has {n_labels} labels")
+        return names
+    want, got = [_norm_name(d) for d in dirs], [_norm_name(n) for n in names]
+    if got == want:
+        return names
+    if sorted(got) == sorted(want):
+        wrong = sum(a != b for a, b in zip(got, want))
+        raise ValueError(
+            f"zero-shot on {where}: classnames are the class folders in another order ({wrong} "
+            f"of {len(want)} out of place): images are labelled by sorted folder name "
+            f"{_short(dirs)}, so most classes would be scored against another class's name; "
+            "list classnames in sorted folder order, or set class_index to the folders in your "
+            "order (class_index=classnames does it)")
+    if is_imagenet and len(names) == len(wnids):
+        return names   # the standard ImageNet class order is the sorted-wnid order
+    missing = [d for d, w in zip(dirs, want) if w not in set(got)]
+    extra = [n for n, g in zip(names, got) if g not in set(want)]
+    if len(missing) == len(dirs) and len(names) == len(dirs):
+        raise ValueError(
+            f"zero-shot on {where}: the class names {_short(names)} match none of the class "
+            f"folders {_short(dirs)}; images are labelled by sorted folder name, so which name "
+            f"goes with which folder would be a guess: {fix}")
+    raise ValueError(
+        f"zero-shot on {where}: classnames do not match the class folders: folders without a "
+        f"class name {_short(missing)}, class names without a folder {_short(extra)} "
+        f"({len(dirs)} folders, {len(names)} names); leave classnames empty to use the folder "
+        f"names, or {fix}")
+
+
 # ----------------------------------------------------------------------------- the evaluator
 class Evaluator:
     """Zero-shot classification of one image set (see the module docstring for config keys)."""
@@ -214,10 +330,16 @@ class Evaluator:
         self.image_size = int(_get(config, "image_size", model.config.vision.image_size))
         self.data = eval_set(config)
         info = self.data.info
-        self.name = _get(config, "name", info.get("task", "imagenet"))
-        self.classnames = resolve_list(_get(config, "classnames"),
-                                       (lambda: list(info["classnames"])) if "classnames" in info
-                                       else imagenet_classnames, "class names")
+        if "class_dirs" in info:   # an ImageFolder: names checked against the folders
+            self.classnames = imagefolder_classnames(info, _get(config, "classnames"))
+            default_name = ("imagenet" if set(info["class_dirs"]) == set(imagenet_wnids())
+                            else Path(_get(config, "root")).name or "imagefolder")
+        else:
+            self.classnames = resolve_list(_get(config, "classnames"),
+                                           (lambda: list(info["classnames"])) if "classnames" in info
+                                           else imagenet_classnames, "class names")
+            default_name = info.get("task", "imagenet")
+        self.name = _get(config, "name", default_name)
         self.templates = resolve_list(_get(config, "templates"),
                                       (lambda: list(info["templates"])) if "templates" in info
                                       else openai_imagenet_templates, "templates")

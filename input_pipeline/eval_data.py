@@ -176,21 +176,33 @@ def read_class_index(path: str) -> dict[str, int]:
     return {str(k): int(v) for k, v in raw.items()}
 
 
-def imagefolder_files(root: str, split: str, class_index: str | Mapping[str, int] = ""
-                      ) -> tuple[list[str], np.ndarray]:
-    """(image paths, labels int32 [N]) of <root>/<split>/<class_dir>/*.<image extension>.
-    class_index: a file (see read_class_index), a {class_dir: index} mapping, or "" (sorted)."""
+def imagefolder_classes(root: str, split: str, class_index: Any = ""
+                        ) -> tuple[list[str], dict[str, int]]:
+    """(the sorted class dirs of <root>/<split>, class_dir -> label).
+    class_index: a file (see read_class_index), a {class_dir: index} mapping, a list of class
+    dirs in label order, or "" (sorted order, torchvision ImageFolder's convention)."""
     base = os.path.join(root, split)
     if not os.path.isdir(base):
         raise FileNotFoundError(f"ImageFolder split directory {base!r} does not exist")
     dirs = sorted(d for d in os.listdir(base) if os.path.isdir(os.path.join(base, d)))
     if isinstance(class_index, Mapping):
-        index = dict(class_index)
+        index = {str(k): int(v) for k, v in class_index.items()}
+    elif isinstance(class_index, (list, tuple)):
+        index = {str(d): i for i, d in enumerate(class_index)}
     else:
         index = read_class_index(class_index) if class_index else {d: i for i, d in enumerate(dirs)}
     unknown = [d for d in dirs if d not in index]
     if unknown:
         raise ValueError(f"class dirs {unknown[:5]} of {base!r} are not in the class index")
+    return dirs, index
+
+
+def imagefolder_files(root: str, split: str, class_index: Any = ""
+                      ) -> tuple[list[str], np.ndarray]:
+    """(image paths, labels int32 [N]) of <root>/<split>/<class_dir>/*.<image extension>
+    (class_index: see imagefolder_classes)."""
+    dirs, index = imagefolder_classes(root, split, class_index)
+    base = os.path.join(root, split)
     files, labels = [], []
     for d in dirs:
         for name in sorted(os.listdir(os.path.join(base, d))):
@@ -202,12 +214,18 @@ def imagefolder_files(root: str, split: str, class_index: str | Mapping[str, int
     return files, np.asarray(labels, np.int32)
 
 
-def imagefolder(root: str, split: str = "val", class_index: str | Mapping[str, int] = "",
+def imagefolder(root: str, split: str = "val", class_index: Any = "",
                 name: str = "imagenet", limit: int = 0) -> EvalSet:
-    """info["labels"]: int32 [N] (known up front, like the other classification sets)."""
-    files, labels = imagefolder_files(root, split, class_index)
+    """info["labels"]: int32 [N] (known up front, like the other classification sets);
+    info["class_dirs"] (sorted) and info["class_index"] {class_dir: label}, so that whoever
+    names the classes can check the names against the folders."""
+    dirs, index = imagefolder_classes(root, split, class_index)
+    files, labels = imagefolder_files(root, split, index)
     n = min(limit, len(files)) if limit else len(files)
-    return EvalSet(name, _Records(n, _Files(files, labels)), info={"labels": labels[:n]})
+    return EvalSet(name, _Records(n, _Files(files, labels)),
+                   info={"labels": labels[:n], "class_dirs": dirs, "class_index": index,
+                         "where": os.path.join(root, split),
+                         "class_index_given": bool(len(class_index))})
 
 
 def tfds_classification(tfds_name: str = "imagenet2012", split: str = "validation",
@@ -499,3 +517,38 @@ def webdataset(folder: str, split: str = "test", name: str | None = None) -> Eva
         import io
         info["metadata"] = np.stack([np.load(io.BytesIO(s["npy"])) for s in rows])
     return EvalSet(name, _Records(len(rows), _TarImages(where, labels)), info=info)
+
+
+# ------------------------------------------------------------------------------ training-format tar shards
+def image_text_tars(path: str | Sequence[str], name: str = "tar", limit: int = 0) -> EvalSet:
+    """Image-caption pairs from tar shards in the training layout (input_pipeline/tar_source.py:
+    `<key>.<jpg|png|webp|...>` + `<key>.txt`, one caption per image), e.g. a held-out shard for
+    retrieval. `path`: files, globs or brace patterns ('val/{0000..0003}.tar'). Headers are read
+    once to index the samples; images stay in the tars and are read at their offsets. Samples
+    without an image or a caption are left out, as training skips them; `limit`: the first N."""
+    import tarfile
+
+    from input_pipeline import paths as paths_lib
+    from input_pipeline.tar_source import IMAGE_EXTS, TEXT_EXT, split_key
+
+    shards = paths_lib.expand_paths(path)
+    samples: dict[tuple[str, str], dict[str, Any]] = {}
+    for shard in shards:
+        with tarfile.open(shard) as tf:
+            for m in tf:
+                if not m.isfile():
+                    continue
+                key, ext = split_key(m.name)
+                s = samples.setdefault((shard, key), {})
+                if ext in IMAGE_EXTS:
+                    s.setdefault("image", (shard, m.offset_data, m.size))
+                elif ext == TEXT_EXT:
+                    s["txt"] = tf.extractfile(m).read().decode("utf-8", "replace").strip()
+    rows = [s for s in samples.values() if "image" in s and s.get("txt")]
+    if limit:
+        rows = rows[:limit]
+    if not rows:
+        raise FileNotFoundError(f"no image + caption samples in the tar shards {shards[:3]}")
+    return EvalSet(name, _Records(len(rows), _TarImages([s["image"] for s in rows], None)),
+                   [s["txt"] for s in rows], np.arange(len(rows), dtype=np.int64),
+                   {"captions_per_record": 1})

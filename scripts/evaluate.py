@@ -1,13 +1,17 @@
 """Evaluate any checkpoint offline with the evaluators of an eval config.
 
     python scripts/evaluate.py --checkpoint CKPT --config configs/eval/demo.py --out DIR
+    python scripts/evaluate.py --checkpoint CKPT --config configs/eval/imagefolder.py --out DIR \
+        --config.root=/data/digits --config.split=val    # any field: --config.<field>=value
     python scripts/evaluate.py --checkpoint HF_DIR --config configs/eval/demo.py:evals=uncertainty --out DIR
     python scripts/evaluate.py --checkpoint CKPT --suite datacomp38 --data_dir DATA \
         --tokenizer sentencepiece:/data/c4_en.model --out DIR     # + DIR/suite.json, suite.md
 
 CKPT is a prolip_jax checkpoint directory or a Hugging Face folder (config.json +
 model.safetensors), loaded with `prolip_jax.load`. The config file defines `get_config(arg)`
-(arg after ':') with `evals.<name> = dict(type="zeroshot" | "retrieval" | "uncertainty", ...)`
+(arg after ':') with `evals.<name> = dict(type="zeroshot" | "retrieval" | "uncertainty", ...)`;
+`--config.<field>=value` overrides any of its fields, e.g. `--config.evals.zeroshot.num_images=500`
+(an override naming no field is an error naming the nearest one, exit 2)
 (big_vision style; `log_steps` is ignored here; `prefix` is prepended to the metric names, as
 in training; the evaluators already name theirs "<type>/<dataset>/...").
 
@@ -30,7 +34,6 @@ gets the same numbers; only process 0 writes.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -48,15 +51,37 @@ if str(ROOT) not in sys.path:  # `python scripts/evaluate.py` from anywhere: fin
 EVAL_KEYS = ("type", "log_steps", "prefix")  # settings, not evaluator config (as prolip_jax.train)
 
 
-def load_config(spec: str) -> Any:
-    """'path/to/config.py[:arg]' -> get_config(arg) (big_vision style)."""
-    path, _, arg = spec.partition(":")
-    module_spec = importlib.util.spec_from_file_location(f"_eval_config_{Path(path).stem}", path)
-    if module_spec is None or not Path(path).is_file():
-        raise FileNotFoundError(f"config file {path} not found")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.get_config(arg or None)
+def load_config(spec: str, overrides: list[str] = ()) -> Any:
+    """'path/to/config.py[:arg]' -> get_config(arg) (big_vision style), with the
+    `--config.<field>=value` overrides applied (as prolip_jax.train does for training).
+    A missing file, a bad arg or an override naming no field raises a ValueError /
+    FileNotFoundError whose message is one line naming the problem."""
+    from prolip_jax import config_args
+
+    config = config_args.load_config_file(spec)
+    return apply_overrides(config, list(overrides))
+
+
+def apply_overrides(config: Any, overrides: list[str]) -> Any:
+    """`--config.a.b=value` items applied to an ml_collections config (values parsed by the
+    field's type, as absl's config flags do); every item must name an existing field."""
+    if not overrides:
+        return config
+    from absl import flags
+    from ml_collections import config_flags
+
+    from prolip_jax import config_args
+
+    bad = [a for a in overrides if not a.startswith("--config.") or "=" not in a]
+    if bad:
+        raise ValueError(f"{bad[0]}: expected --config.<field>=<value>")
+    config_args.check_overrides(config, overrides)
+    argv = ["evaluate.py", *overrides]
+    fv = flags.FlagValues()  # not absl's global FLAGS: main() can run twice in one process
+    holder = config_flags.DEFINE_config_dict("config", config, lock_config=True, flag_values=fv,
+                                             sys_argv=argv)
+    fv(argv)
+    return holder.value
 
 
 def resolve_evaluators(evals: dict[str, dict], skip_missing: bool) -> dict[str, tuple[type, dict]]:
@@ -247,17 +272,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip_missing", action="store_true",
                    help="skip evaluator types that are not registered instead of stopping")
     p.add_argument("--no_plots", action="store_true")
-    args = p.parse_args(argv)
+    args, rest = p.parse_known_args(argv)
+    # `--config.<field>=value` overrides any field of the eval config (bad ones: one line, exit 2).
+    overrides = [a for a in rest if a.startswith("--config.")]
+    if len(overrides) != len(rest):
+        p.error(f"unrecognized arguments: {' '.join(a for a in rest if a not in overrides)}")
 
-    if args.suite:
-        config = suite_config(args)
-    elif not args.config:
+    if not args.suite and not args.config:
         raise SystemExit("error: give --config or --suite")
-    else:
-        config = load_config(args.config)
+    from absl import flags
+
+    try:
+        config = suite_config(args) if args.suite else load_config(args.config)
+        config = apply_overrides(config, overrides)
+    except (flags.Error, ValueError, TypeError, FileNotFoundError, AttributeError, KeyError) as e:
+        msg = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)
+        print("error: " + " ".join(msg.split()), file=sys.stderr)  # one line
+        return 2
     only = args.only.split(",") if args.only else None
-    evaluate(args.checkpoint, config, Path(args.out), step=args.step, only=only,
-             skip_missing=args.skip_missing, plots=not args.no_plots)
+    try:
+        evaluate(args.checkpoint, config, Path(args.out), step=args.step, only=only,
+                 skip_missing=args.skip_missing, plots=not args.no_plots)
+    except (ValueError, FileNotFoundError) as e:  # data / class names / checkpoint: say what, one line
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        return 2
     return 0
 
 
