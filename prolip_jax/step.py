@@ -205,8 +205,13 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
     # part holds the leaf) is what keeps a locked tower from costing its weight-gradient matmuls.
     join = optim.combine
 
-    def features(params, images, tokens, keep_idx=None):
-        out = model.apply({"params": params}, images, tokens, image_keep_idx=keep_idx)
+    # SizeAugment (PCME++ §2.4, seed 003) is the only training-time randomness in the towers: its
+    # key is per step and per microbatch, so gradient caching's re-run sees the same dropped tokens.
+    augment = bool(model.config.vision.size_augment or model.config.text.size_augment)
+
+    def features(params, images, tokens, keep_idx=None, rng=None):
+        train = {"train": True, "rngs": {"augment": rng}} if augment else {}
+        out = model.apply({"params": params}, images, tokens, image_keep_idx=keep_idx, **train)
         return {key: out[key] for key in FEATURES}
 
     def loss_from_features(feats, mfeats, logit_scale, logit_bias, ctx):
@@ -216,10 +221,12 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
                               masked_rows=masked_rows if m_group else None, rng=ctx["rng"], mesh=mesh)
 
     def grads_one_batch(train, frozen, images, tokens, m_images, m_tokens, keep_idx, ctx):
+        rng_full, rng_masked = jax.random.split(ctx["rng_augment"])
+
         def total(t):
             p = join(t, frozen)
-            f = features(p, images, tokens)
-            mf = features(p, m_images, m_tokens, keep_idx) if m_group else None
+            f = features(p, images, tokens, rng=rng_full)
+            mf = features(p, m_images, m_tokens, keep_idx, rng_masked) if m_group else None
             loss, terms = loss_from_features(f, mf, p["logit_scale"], p["logit_bias"], ctx)
             return loss, (terms, f)
         (loss, (terms, f)), grads = jax.value_and_grad(total, has_aux=True)(train)
@@ -229,11 +236,12 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
         params = join(train, frozen)
         split_mb = lambda x: split_microbatches(x, n_shards, k)  # noqa: E731
         merge_mb = lambda x: merge_microbatches(x, n_shards)  # noqa: E731
-        chunks = (split_mb(images), split_mb(tokens))
-        f = jax.tree.map(merge_mb, jax.lax.map(lambda xs: features(params, *xs), chunks))
+        rng_full, rng_masked = (jax.random.split(r, k) for r in jax.random.split(ctx["rng_augment"]))
+        chunks = (split_mb(images), split_mb(tokens), rng_full)
+        f = jax.tree.map(merge_mb, jax.lax.map(lambda xs: features(params, *xs[:2], rng=xs[2]), chunks))
         if m_group:
-            m_chunks = (split_mb(m_images), split_mb(m_tokens))
-            mf = jax.tree.map(merge_mb, jax.lax.map(lambda xs: features(params, *xs, keep_idx), m_chunks))
+            m_chunks = (split_mb(m_images), split_mb(m_tokens), rng_masked)
+            mf = jax.tree.map(merge_mb, jax.lax.map(lambda xs: features(params, *xs[:2], keep_idx, xs[2]), m_chunks))
         else:
             mf = None
         (loss, terms), (g_f, g_mf, g_scale, g_bias) = jax.value_and_grad(
@@ -241,8 +249,8 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
                                                                     params["logit_bias"], ctx)
 
         def pull_back(acc, xs, keep=None):
-            imgs, toks, g = xs
-            _, vjp = jax.vjp(lambda t: features(join(t, frozen), imgs, toks, keep), train)
+            imgs, toks, rng, g = xs
+            _, vjp = jax.vjp(lambda t: features(join(t, frozen), imgs, toks, keep, rng), train)
             return jax.tree.map(jnp.add, acc, vjp(g)[0]), None
 
         grads = jax.tree.map(jnp.zeros_like, train)
@@ -259,10 +267,11 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
         images, tokens = batch["image"], batch["text"]
         if images.dtype == jnp.uint8:
             images = normalize_on_device(images, cfg.normalization)
-        rng_img, rng_txt, rng_mix, rng_loss = jax.random.split(
-            jax.random.fold_in(jax.random.key(cfg.seed), state.step), 4)
+        rng_step = jax.random.fold_in(jax.random.key(cfg.seed), state.step)
+        rng_img, rng_txt, rng_mix, rng_loss = jax.random.split(rng_step, 4)
+        rng_aug = jax.random.fold_in(rng_step, 1)  # apart from the split: earlier draws unchanged
         images, targets = batch_targets(rng_mix, images, tokens, batch.get("image_id"), cfg.targets)
-        ctx = {"text": tokens, "targets": targets, "rng": rng_loss}
+        ctx = {"text": tokens, "targets": targets, "rng": rng_loss, "rng_augment": rng_aug}
         mk = cfg.masking
         m_images = group_rows(images, g, m_group)
         m_tokens = mask_text_tokens(rng_txt, group_rows(tokens, g, m_group), mk.mask_token_id,

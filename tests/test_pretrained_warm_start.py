@@ -263,3 +263,22 @@ def test_config_init_from_an_open_clip_file(tmp_path):
     assert np.isclose(params["logit_scale"], np.log(10)) and params["logit_bias"] == -10
     np.testing.assert_array_equal(params["visual"]["proj"], source["visual"]["proj"])
     assert not (tmp_path / "warm_start.txt").exists()  # only the caller writes the report
+
+
+def test_clip_into_pcmepp_and_pishdad_heads():
+    """CLIP weights into PCME++'s towers (duplicated last block, GPO, per-branch projections) and
+    Pishdad et al.'s (duplicated embedding layer): the shared trunk is loaded, the heads are new
+    at the target's initialisation (PCME++ starts its uncertainty block at random, seed 003 §2.4)."""
+    src_cfg = clip_like(MICRO)
+    source = zeros(src_cfg)
+    pcmepp = with_(MICRO, dict(unc_head="block", pool="gpo"), dict(unc_head="block", pool="gpo", pad_id=1))
+    pishdad = with_(MICRO, dict(unc_head="embedding"), dict(unc_head="embedding", pool="last"))
+    for target, heads in ((pcmepp, ("unc_transformer", "unc_projection", "gpo", "unc_gpo")),
+                          (pishdad, ("unc_projection",))):
+        _, report = warm_start(target, zeros(target), src_cfg, source, source_absent=("logit_bias",))
+        new = rows(report, "new")
+        for tower in ("visual", "text"):
+            assert any(n.startswith(f"{tower}/{heads[0]}/") for n in new), (tower, heads)
+            assert f"{tower}/transformer/resblocks_0/c_fc/kernel" in rows(report, "loaded")
+        outside_heads = {n for n in new if "/" in n and not n.split("/")[1].startswith(heads)}
+        assert outside_heads <= {"visual/positional_embedding", "text/text_projection/bias"}, outside_heads

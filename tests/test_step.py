@@ -13,7 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-
+import optax
 import pytest
 
 from prolip_jax import losses, optim, sharding
@@ -196,3 +196,48 @@ def test_batch_layout_errors():
     with pytest.raises(ValueError, match="3 microbatches"):
         S.check_batch_layout(8 * 16, 8, S.StepConfig(microbatches=3))
     S.check_batch_layout(16_384, 32, S.StepConfig())  # the paper's 512 per GPU
+
+
+def test_size_augment_runs_in_the_step_and_cached_gradients_see_the_same_drops():
+    """SizeAugment (PCME++'s token dropout, seed 003 §2.4) is on in the step: train=True with its
+    own key per step and microbatch. Gradient caching runs each microbatch's forward twice; with
+    other drops the second time its gradient would not be the loss's. Reference: the gradient of
+    the same loss written directly (features per microbatch with the step's keys, then the loss
+    on the whole batch), float32, <= 1e-5 relative. SGD with lr 1 exposes the gradient as the
+    update (log a left out: its clamp bends the update)."""
+    from prolip_jax.objectives import pcmepp
+
+    cfg = get_config("micro", vision={"unc_head": "embedding", "pool": "gpo", "size_augment": 0.25})
+    model = ProLIP(cfg, attention_impl="xla")
+    mesh = sharding.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), jax.devices()[:1])
+    step_cfg = S.StepConfig(objective="pcmepp", loss=pcmepp.Config(), microbatches=2)
+    tx = optax.sgd(1.0)
+    step = jax.jit(S.make_train_step(model, tx, lambda count: 1.0, step_cfg, mesh, 16))
+    rng = np.random.default_rng(0)
+    host = {"image": rng.normal(size=(16, 16, 16, 3)).astype(np.float32),
+            "text": rng.integers(2, 63, size=(16, 8)).astype(np.int32)}
+    state, _ = S.create_train_state(model, tx, mesh, "replicated", seed=0)
+    new, metrics = step(state, sharding.global_batch(host, mesh))
+    grads = jax.tree.map(lambda a, b: a - b, state.params, new.params)
+
+    def reference_loss(params, step_index):
+        rng_aug = jax.random.fold_in(jax.random.fold_in(jax.random.key(step_cfg.seed), step_index), 1)
+        keys = jax.random.split(jax.random.split(rng_aug)[0], 2)  # full forward, one per microbatch
+        rows = [slice(0, 8), slice(8, 16)]  # one data shard: microbatch i is the i-th half
+        feats = [model.apply({"params": params}, host["image"][r], host["text"][r], train=True,
+                             rngs={"augment": key}) for r, key in zip(rows, keys)]
+        out = {k: jnp.concatenate([f[k] for f in feats]) for k in S.FEATURES}
+        out.update(logit_scale=jnp.exp(params["logit_scale"]), logit_bias=params["logit_bias"], text=host["text"])
+        return pcmepp.loss(out, step_cfg.loss_config)[0]
+
+    ref_loss, ref_grads = jax.value_and_grad(reference_loss)(state.params, 0)
+    assert abs(float(metrics["loss"]) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    leaves = zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads), jax.tree.leaves(state.params))
+    for (path, g), r, p in leaves:
+        if "logit_scale" in jax.tree_util.keystr(path) or "key_bias" in jax.tree_util.keystr(path):
+            continue  # key biases: a zero true gradient, rounding noise (module docstring)
+        # The update is read back as old - new params: exact to the params' float32 spacing.
+        tol = 1e-5 * float(np.abs(r).max()) + 2 * float(np.spacing(np.abs(p).max()))
+        assert float(np.abs(g - r).max()) <= tol, jax.tree_util.keystr(path)
+    # The drops are really drawn, anew each step: another step index, another loss.
+    assert abs(float(reference_loss(state.params, 1)) - float(ref_loss)) > 1e-4

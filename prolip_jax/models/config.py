@@ -81,6 +81,11 @@ class VisionConfig:
         return int(self.width * self.mlp_ratio)  # open_clip: int(d_model * mlp_ratio)
 
     @property
+    def unc_token(self) -> bool:
+        """ProLIP's [UNC] token (a position row after [CLS]); the other papers' heads have none."""
+        return self.embed_unc and self.unc_head == "unc_token"
+
+    @property
     def grid(self) -> int:
         return self.image_size // self.patch_size
 

@@ -78,7 +78,7 @@ class VisionTower(nn.Module):
             x = x + self.param("patch_bias", nn.with_logical_partitioning(
                 uniform((3 * p * p) ** -0.5), ("embed",)), (d,)).astype(self.dtype)
 
-        unc_token = c.embed_unc and c.unc_head == "unc_token"  # ProLIP's [UNC]
+        unc_token = c.unc_token  # ProLIP's [UNC]
         n_prefix = int(c.class_token) + int(unc_token)  # [CLS]? [UNC]? before the patches
         pos = self.param("positional_embedding", nn.with_logical_partitioning(
             normal(scale), ("pos", "embed")), (c.num_patches + n_prefix, d)).astype(self.dtype)

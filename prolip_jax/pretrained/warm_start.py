@@ -67,7 +67,10 @@ KINDS = ("loaded", "resized", "new", "dropped")
 _OPTIONAL = re.compile(
     r"^(visual/(class_embedding|unc_embedding|uncertainty_proj/.*|patch_bias|map_head/.*|ln_pre/.*|proj)"
     r"|text/(cls_emb|unc_emb|text_uncertainty_projection/.*|text_projection/bias)"
-    r"|logit_bias)$")
+    r"|logit_bias"
+    # PCME++ / Pishdad et al. heads (models/heads.py): new in a model warm-started from CLIP, the
+    # duplicated block at its random init as PCME++ starts it (seed 003 §2.4).
+    r"|(visual|text)/(unc_transformer|unc_projection|gpo|unc_gpo)/.*)$")
 _RESIZABLE = ("visual/positional_embedding", "text/positional_embedding", "text/token_embedding")
 
 
@@ -269,14 +272,14 @@ def _image_positions(target: ProLIPConfig, init: np.ndarray, source: ProLIPConfi
     (the reference takes `model.positional_embedding[:2]` and copies row 0 from a 197/257-row
     CLIP; it finds the layout from the row count, we from the source config)."""
     sv, tv = source.vision, target.vision
-    s_pre, t_pre = int(sv.class_token) + int(sv.embed_unc), int(tv.class_token) + int(tv.embed_unc)
+    s_pre, t_pre = int(sv.class_token) + int(sv.unc_token), int(tv.class_token) + int(tv.unc_token)
     if old.shape[0] != s_pre + sv.num_patches:
         raise ValueError(f"visual/positional_embedding of the source has {old.shape[0]} rows, its config says "
                          f"{s_pre} + {sv.grid}^2")
     new = np.array(init, np.float64)
     notes = []
     for token, s_has, t_has, s_row, t_row in (("CLS", sv.class_token, tv.class_token, 0, 0),
-                                              ("UNC", sv.embed_unc, tv.embed_unc, int(sv.class_token), int(tv.class_token))):
+                                              ("UNC", sv.unc_token, tv.unc_token, int(sv.class_token), int(tv.class_token))):
         if t_has:
             if s_has:
                 new[t_row] = old[s_row]
@@ -289,7 +292,7 @@ def _image_positions(target: ProLIPConfig, init: np.ndarray, source: ProLIPConfi
         patches = np.einsum("ij,kl,jld->ikd", m, m, patches)
         notes.insert(0, f"patch grid {sv.grid}x{sv.grid} -> {tv.grid}x{tv.grid} (bicubic, antialias)")
     new[t_pre:] = patches.reshape(tv.num_patches, -1)
-    same = (sv.grid, sv.class_token, sv.embed_unc) == (tv.grid, tv.class_token, tv.embed_unc)
+    same = (sv.grid, sv.class_token, sv.unc_token) == (tv.grid, tv.class_token, tv.unc_token)
     return new.astype(np.float32), "loaded" if same else "resized", "" if same else "; ".join(notes)
 
 
