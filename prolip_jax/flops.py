@@ -15,7 +15,9 @@ One tower forward on `b` samples, `t` tokens, width `d`, MLP width `m`, `L` bloc
 
 Tokens: vision t = N + 2 ([CLS], [UNC]); masked vision t = int(N * keep_ratio) + 2; text
 t = L_text + 2 ([UNC], [CLS]), the masked text forward keeps the full length (masked tokens
-are replaced in place, REFERENCE §2.6).
+are replaced in place, REFERENCE §2.6). The other papers' heads (models/heads.py) are counted
+the same way: PCME++'s duplicated blocks, its projections on every token and GPO's BiGRU and
+pooling, Pishdad et al.'s second projection; μ-only towers drop the uncertainty matmuls.
 
 A training step on global batch B with M = int(B * masked_fraction) masked samples:
 
@@ -49,18 +51,57 @@ def block_flops(batch: int, tokens: int, width: int, mlp_dim: int) -> dict[str, 
     }
 
 
+def gpo_flops(batch: int, tokens: int, features: int, dim: int) -> float:
+    """GPO pooling (models/heads.py): a BiGRU of hidden `dim` over the positional encodings of
+    `tokens` positions (input and recurrent matmuls, 3 gates, both directions), its score
+    Linear(dim, 1), and the weighted sum of the sorted [tokens, features]."""
+    b, k, h = batch, tokens, dim
+    gru = 2 * (2.0 * b * k * h * 3 * h + k * 2.0 * b * h * 3 * h)  # x W_ih over all steps, h W_hh per step
+    return gru + 2.0 * b * k * h + 2.0 * b * k * features
+
+
+def _unc_out(c: VisionConfig | TextConfig, embed_dim: int) -> int:
+    return 1 if c.covariance == "spherical" else embed_dim  # spherical: one variance per input
+
+
+def _pooling_and_heads(c: VisionConfig | TextConfig, embed_dim: int, batch: int, tokens: int,
+                       proj: bool) -> dict[str, float]:
+    """What follows the trunk: the extra blocks of the block head, pooling, the projections."""
+    b, d = batch, c.width
+    out: dict[str, float] = {}
+    if c.embed_unc and c.unc_head == "block":  # PCME++: the last unc_layers blocks duplicated
+        out["unc_blocks"] = c.unc_layers * sum(block_flops(b, tokens, d, c.mlp_dim).values())
+    e_mu = embed_dim if proj else d
+    if c.pool == "gpo":  # projections on every token, then GPO per branch
+        out["proj"] = 2.0 * b * tokens * d * embed_dim if proj else 0.0
+        out["gpo"] = gpo_flops(b, tokens, e_mu, c.gpo_dim)
+        if c.embed_unc:
+            out["unc_projection"] = 2.0 * b * tokens * d * _unc_out(c, embed_dim)
+            out["unc_gpo"] = gpo_flops(b, tokens, embed_dim, c.gpo_dim)
+        return out
+    if getattr(c, "pool", "") == "map":  # SigLIP's attention pooling: one probe query over all tokens
+        out["map_head"] = (2.0 * b * d * d + 2 * 2.0 * b * tokens * d * d + 2 * 2.0 * b * tokens * d
+                           + 2.0 * b * d * d + 2 * 2.0 * b * d * c.mlp_dim)
+    out["proj"] = 2.0 * b * d * embed_dim if proj else 0.0
+    if c.embed_unc and c.unc_head != "unc_token":  # its own Linear(width, E) on one pooled token
+        out["unc_projection"] = 2.0 * b * d * _unc_out(c, embed_dim)
+    return out
+
+
 def vision_forward_flops(config: VisionConfig, embed_dim: int, batch: int,
                          keep_ratio: float | None = None) -> dict[str, float]:
     """Vision tower forward on `batch` images; keep_ratio=None is the full (unmasked) forward."""
     c = config
     kept = c.num_patches if keep_ratio is None else int(c.num_patches * keep_ratio)
-    blocks = block_flops(batch, kept + 2, c.width, c.mlp_dim)
-    return {
+    tokens = kept + int(c.class_token) + int(c.unc_token)
+    out = {
         "patch_embed": 2.0 * batch * c.num_patches * (3 * c.patch_size ** 2) * c.width,
-        "blocks": c.layers * sum(blocks.values()),
-        "proj": 2.0 * batch * c.width * embed_dim,
-        "uncertainty_proj": 2.0 * batch * c.width * embed_dim,
+        "blocks": c.layers * sum(block_flops(batch, tokens, c.width, c.mlp_dim).values()),
+        **_pooling_and_heads(c, embed_dim, batch, tokens, c.proj),
     }
+    if c.unc_token:
+        out["uncertainty_proj"] = 2.0 * batch * c.width * _unc_out(c, embed_dim)
+    return out
 
 
 def text_forward_flops(config: TextConfig, embed_dim: int, batch: int,
@@ -68,14 +109,17 @@ def text_forward_flops(config: TextConfig, embed_dim: int, batch: int,
     """Text tower forward on `batch` sequences of `length` tokens (default context_length)."""
     c = config
     length = c.context_length if length is None else length
-    blocks = block_flops(batch, length + 2, c.width, c.mlp_dim)
-    return {
+    tokens = length + 2 * (c.pool == "prolip")  # ProLIP appends [UNC], [CLS]
+    out = {
         "embedding": 0.0,  # a gather, no multiply-adds
-        "blocks": c.layers * sum(blocks.values()),
-        "text_projection": 2.0 * batch * c.width * embed_dim,
-        # Applied to the projected [CLS] embedding (REFERENCE §1.3): E -> E.
-        "text_uncertainty_projection": 2.0 * batch * embed_dim * embed_dim,
+        "blocks": c.layers * sum(block_flops(batch, tokens, c.width, c.mlp_dim).values()),
+        **_pooling_and_heads(c, embed_dim, batch, tokens, True),
     }
+    out["text_projection"] = out.pop("proj")
+    if c.pool == "prolip":
+        # Applied to the projected [CLS] embedding (REFERENCE §1.3): E -> E.
+        out["text_uncertainty_projection"] = 2.0 * batch * embed_dim * _unc_out(c, embed_dim)
+    return out
 
 
 # ------------------------------------------------------------------------------- model and step

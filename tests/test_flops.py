@@ -9,7 +9,7 @@ import pytest
 
 from prolip_jax import flops
 from prolip_jax.losses import LossConfig, prolip_loss
-from prolip_jax.models import get_config
+from prolip_jax.models import get_config, with_overrides
 from prolip_jax.models.prolip import ProLIP, abstract_params, dummy_inputs, random_keep_indices
 
 
@@ -72,11 +72,12 @@ def _dot_flops(jaxpr) -> float:
             (lhs_contract, _), _ = eqn.params["dimension_numbers"]
             k = math.prod(eqn.invars[0].aval.shape[d] for d in lhs_contract)
             total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
+        times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1  # GPO's BiGRU
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):
                 inner = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
                 if hasattr(inner, "eqns"):
-                    total += _dot_flops(inner)
+                    total += times * _dot_flops(inner)
     return total
 
 
@@ -97,6 +98,29 @@ def test_forward_matches_model_matmuls_exactly(tiny):
     assert _dot_flops(full.jaxpr) == flops.forward_flops(cfg, 3)
     assert _dot_flops(masked.jaxpr) == flops.forward_flops(cfg, 3, image_keep_ratio=0.75)
     assert _dot_flops(short.jaxpr) == flops.forward_flops(cfg, 3, text_length=10)
+
+
+def _clip_like(cfg):
+    return with_overrides(cfg, vision={"embed_unc": False}, text={"embed_unc": False, "pool": "argmax",
+                                                                 "causal": True, "proj_bias": False})
+
+
+@pytest.mark.parametrize("name,build", [
+    ("pcme++ heads (block, GPO)", lambda: get_config("tiny_pcmepp")),
+    ("pishdad heads (embedding)", lambda: get_config("tiny_pishdad")),
+    ("spherical covariance", lambda: get_config("tiny_pishdad", vision={"covariance": "spherical"},
+                                                text={"covariance": "spherical"})),
+    ("mu-only CLIP towers", lambda: _clip_like(get_config("tiny"))),
+    ("SigLIP MAP pooling", lambda: with_overrides(_clip_like(get_config("tiny")), vision={
+        "pool": "map", "class_token": False, "proj": False, "ln_pre": False, "patch_bias": True},
+        embed_dim=64)),
+])
+def test_forward_of_other_heads_matches_model_matmuls_exactly(name, build):
+    cfg = build()
+    model = ProLIP(cfg, attention_impl="xla")
+    images, tokens = dummy_inputs(cfg, batch=3)
+    full = jax.make_jaxpr(lambda p: model.apply({"params": p}, images, tokens))(abstract_params(cfg))
+    assert _dot_flops(full.jaxpr) == flops.forward_flops(cfg, 3), name
 
 
 def test_train_step_matches_gradient_matmuls(tiny):
