@@ -26,8 +26,11 @@ Paper hyper-parameters (for the real-scale recipes; the demo keeps its own optim
 | SigLIP   | siglip      | big_vision                    | 10, -10    | sigmoid loss                                          |
 | VSE∞     | vse         | VSE∞ (CVPR'21)                | -          | hardest-negative triplet, margin 0.2                  |
 
-The demo variants keep the tiny towers' [UNC] head for every method (the deterministic
-objectives ignore log sigma^2), so every run is evaluated by the same evaluators.
+Towers: PCME++ and Pishdad et al. get their own uncertainty heads on the tiny towers
+(`tiny_pcmepp`: the last block duplicated for log sigma^2, GPO pooling, SizeAugment 0.2 with the
+demo tokenizer's [MASK] = 2; `tiny_pishdad`: a duplicated embedding layer). The others keep
+ProLIP's [UNC] head (PCME's own attention head is not built; the deterministic objectives ignore
+log sigma^2), so every run is evaluated by the same evaluators.
 """
 import importlib.util
 import math
@@ -37,12 +40,15 @@ from prolip_jax import config_args
 
 # method -> (objective, loss knobs, model overrides, targets). Loss knobs are the objective's
 # Config fields (prolip_jax/objectives/<objective>.py); what is not set takes its default.
+# Model overrides are `config.model` fields (prolip_jax/train.py ModelOptions).
+DEMO_MASK_ID = 2  # the demo tokenizer's [MASK] (configs/demo.py masking.mask_token_id)
 METHODS = {
     "prolip": ("prolip", dict(vib_beta=0.1, alpha_image_text=1e-3), {}, {}),
     "pcmepp": ("pcmepp", dict(pp_alpha=0.1, vib_beta=1e-4),
-               dict(init_logit_scale=math.log(5.0), init_logit_bias=5.0), dict(mix_fraction=0.25)),
+               dict(variant="tiny_pcmepp", text={"size_augment_mask_id": DEMO_MASK_ID},
+                    init_logit_scale=math.log(5.0), init_logit_bias=5.0), dict(mix_fraction=0.25)),
     "pcme": ("pcme", dict(), dict(init_logit_scale=math.log(15.0), init_logit_bias=15.0), {}),
-    "pishdad": ("pishdad", dict(), {}, {}),
+    "pishdad": ("pishdad", dict(), dict(variant="tiny_pishdad"), {}),
     "pcme_daa": ("pcme_daa", dict(), dict(init_logit_scale=math.log(15.0), init_logit_bias=15.0), {}),
     "smooth_ap": ("smooth_ap", dict(), dict(init_logit_scale=math.log(15.0), init_logit_bias=15.0), {}),
     "clip": ("clip", dict(), dict(init_logit_scale=math.log(1 / 0.07)), {}),

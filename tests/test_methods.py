@@ -31,8 +31,15 @@ def test_every_method_config_parses_and_selects_its_objective(method):
     # ProLIP's masked forward runs only for the objective that uses it.
     assert bool(scfg.masked_group_rows) == (scfg.objective == "prolip")
     mcfg = train.model_config(config)
-    for key, value in module.METHODS[method][2].items():
-        assert getattr(mcfg, key) == pytest.approx(value)
+    overrides = module.METHODS[method][2]
+    for key in ("init_logit_scale", "init_logit_bias"):
+        if key in overrides:
+            assert getattr(mcfg, key) == pytest.approx(overrides[key])
+    # PCME++ and Pishdad et al. train their own uncertainty heads, the rest ProLIP's [UNC].
+    head = {"pcmepp": "block", "pishdad": "embedding"}.get(method, "unc_token")
+    assert (mcfg.vision.unc_head, mcfg.text.unc_head) == (head, head)
+    if method == "pcmepp":
+        assert mcfg.text.size_augment_mask_id == config.masking.mask_token_id
 
 
 def test_unknown_objective_and_knob_are_one_line_errors():
