@@ -59,6 +59,12 @@ def _targets(zs: float, r_at: int, r_min: float, order: float, inclusion: float)
 
 # The issue's targets for `make demo` (held-out splits).
 TARGETS = _targets(zs=0.80, r_at=1, r_min=50.0, order=0.90, inclusion=0.70)
+# Targets the current recipe is known to miss, with why, printed on the target's own line when
+# it is missed (README "The demo" has the measurements).
+KNOWN_MISSES = {
+    "level 0 more uncertain than level 3": "known: one caption true of every image is calibrated "
+    "by its mean, not sigma^2 (README, The demo)",
+}
 # The CI smoke run (a few hundred steps): loose, but an untrained model fails every line
 # (chance: 2.8% zero-shot, 2% R@10; an untrained model has no sigma^2 ordering to speak of).
 SMOKE_TARGETS = _targets(zs=0.12, r_at=10, r_min=12.0, order=0.0, inclusion=0.70)
@@ -80,8 +86,10 @@ def latest_step(workdir: Path) -> int | None:
         return None
 
 
-def summarize(results: dict, targets: list[tuple]) -> tuple[list[str], bool]:
-    """Markdown table lines and whether every target was met."""
+def summarize(results: dict, targets: list[tuple], known: dict[str, str] | None = None) -> tuple[list[str], bool]:
+    """Markdown table lines and whether every target was met; a missed target in `known` says
+    so, with the reason, in its own line."""
+    known = KNOWN_MISSES if known is None else known
     lines = ["| metric | value | target | note |", "|---|---|---|---|"]
     ok_all = True
     for label, key, target, note, unit in targets:
@@ -107,7 +115,8 @@ def summarize(results: dict, targets: list[tuple]) -> tuple[list[str], bool]:
         want = {"%": f">= {100 * target:.0f}%", "%r": f">= {target:.0f}%", "x": f"> {target:.0f}x"}[unit]
         if target <= 0:
             want = "reported"
-        lines.append(f"| {label} | {shown} | {want} {'ok' if ok else 'MISSED'} | {note} |")
+        verdict = "ok" if ok else f"MISSED ({known[label]})" if label in known else "MISSED"
+        lines.append(f"| {label} | {shown} | {want} {verdict} | {note} |")
     return lines, ok_all
 
 
@@ -179,8 +188,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{config.total_steps} steps x batch {config.batch_size}, step {step}; "
               f"held-out demo splits ({results_path})")
     plots = sorted(x.name for x in out.glob("*.png"))
-    text = "\n".join([header, "", *lines, "", f"plots: {', '.join(plots)}",
-                      f"all targets met: {'yes' if ok else 'NO'}", ""])
+    missed = [line.split(" | ")[0][2:] for line in lines[2:] if "MISSED" in line]
+    unknown = [label for label in missed if label not in KNOWN_MISSES]
+    verdict = "yes" if ok else (f"NO: {len(missed)} missed, {len(missed) - len(unknown)} of them known "
+                                f"(see their lines){'; not known: ' + ', '.join(unknown) if unknown else ''}")
+    text = "\n".join([header, "", *lines, "", f"plots: {', '.join(plots)}", f"all targets met: {verdict}", ""])
     (workdir / "summary.md").write_text(text)
     print("\n" + text + f"(total {time.time() - t0:.0f}s; this table is also in {workdir / 'summary.md'})")
     return 0 if ok or not args.check else 1

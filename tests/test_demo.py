@@ -47,6 +47,11 @@ def test_summary_reports_missed_targets():
     assert "40.0% | >= 50% MISSED" in by_label["text->image R@1 (500 pairs, CSD)"]
     assert "2.00x | > 1x ok" in by_label["mean text sigma^2 / mean image sigma^2"]
     assert "missing" in by_label["masked caption includes caption (H > 0)"]  # absent key: not met
+    # A known miss says so in its own line; an unknown one does not.
+    lines, _ = demo.summarize({**results, "uncertainty/demo/order_level0_gt_level3_rate": 0.0}, demo.TARGETS,
+                              known={"level 0 more uncertain than level 3": "known: why"})
+    assert [line for line in lines if "MISSED (known: why)" in line][0].startswith("| level 0 more uncertain")
+    assert "40.0% | >= 50% MISSED |" in " ".join(lines)
     results["retrieval/demo/csd/t2i_R@1"] = 55.0
     results["uncertainty/demo/inclusion_text_in_masked_rate"] = 0.8
     assert demo.summarize(results, demo.TARGETS)[1]
