@@ -1,0 +1,447 @@
+r"""Compile the real ProLIP train step for a TPU pod on a CPU machine (no TPU needed).
+
+    pip install -e '.[tpu]'     # libtpu, the TPU compiler (never part of the base install)
+    python scripts/compile_tpu.py --topology v5p-128 --config configs/prolip_b16_datacomp.py \
+        [--config.batch_size=32768 --config.model.remat=full ...]
+    python scripts/compile_tpu.py --all --topology v4-256,v5p-128 [--out table.md]
+
+libtpu describes a TPU slice it is not running on (`jax.experimental.topologies`, the approach
+of MaxText's train_compile.py): its devices are compile-only, enough to build the config's mesh,
+lower the jitted train step (the trainer's: full + masked forward, ProLIP loss, AdamW update,
+donated state) on abstract arguments (the sharded train state, a global batch of uint8 images
+and int32 tokens as the trainer sends) and compile it with the TPU compiler. Reported per chip:
+  - memory from the compiled program: arguments, temporaries, outputs; total = arguments +
+    temporaries + outputs - aliased (the donated state's buffers reused for the new state) +
+    generated code, against the HBM XLA may use on that chip (`HBM_GIB`). A program that does
+    not fit fails to compile with RESOURCE_EXHAUSTED: reported as "no" with the bytes it asked for;
+  - FLOPs of the compiled program (`compiled.cost_analysis()`: every op, per chip) against
+    prolip_jax/flops.py's matmul-only model count (`train_step_flops` / chips), and their ratio;
+  - compile time (lowering + compilation, on this machine).
+
+Topology names are Cloud TPU accelerator types: v4-N and v5p-N count TensorCores (2 per chip:
+v4-256 = 128 chips), v5e-N and v6e-N count chips. `--all` compiles the paper's configurations
+(configs/prolip_b16_datacomp.py, global batch 16,384): B/16 data-parallel, L/16, So400m/14 and
+H/14 with FSDP, each as its config says (bfloat16 compute, no remat, ring PPCL); any
+`--config.*=...` override applies to every one of them.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+PAPER_CONFIG = "configs/prolip_b16_datacomp.py"
+PAPER_VARIANTS = ("B/16", "L/16", "So400m/14", "H/14")  # the config's mesh: B/16 DP, the rest FSDP
+DEFAULT_ALL_TOPOLOGIES = ("v4-256",)  # the pod configs/prolip_b16_datacomp.py's docstring names
+LIBTPU_MISSING = ("libtpu is not installed: it is the TPU compiler this script needs (no TPU needed). "
+                  "Install it with `pip install -e '.[tpu]'` (or `pip install 'jax[tpu]'`, which pins "
+                  "the libtpu matching the installed jax)")
+
+
+# ============================================================================ topologies
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    libtpu_name: str  # the generation's prefix in libtpu topology names ("v5" is v5p)
+    device_kind: str  # what jax reports for its devices
+    cores_per_chip: int  # TensorCores per chip (the N of "v4-N" counts cores)
+    chip_config: str  # "megacore": one device per chip of 2 cores
+    datasheet_hbm: str
+    shapes: dict[int, str]  # chips -> slice shape of the standard slices
+
+
+_CUBES = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
+          512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
+_PLANES = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+GENERATIONS = {
+    "v4": Generation("v4", "TPU v4", 2, "megacore", "32 GiB HBM2", _CUBES),
+    "v5p": Generation("v5", "TPU v5", 2, "megacore", "95 GB HBM2e", _CUBES),
+    "v5e": Generation("v5e", "TPU v5 lite", 1, "default", "16 GB HBM2", _PLANES),
+    "v6e": Generation("v6e", "TPU v6 lite", 1, "default", "32 GB HBM", _PLANES),
+}
+# HBM per chip that XLA may allocate (GiB): the "available HBM" libtpu 0.0.42 states when a
+# program does not fit (tests/test_compile_tpu.py checks it for v4). The runtime keeps the rest
+# of the datasheet capacity (Generation.datasheet_hbm).
+HBM_GIB = {"v4": 30.75, "v5p": 95.74, "v5e": 15.75, "v6e": 31.25}
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    name: str  # "v4-256"
+    generation: str  # "v4"
+    chips: int
+    shape: str  # "4x4x8"
+
+    @property
+    def libtpu_name(self) -> str:
+        return f"{GENERATIONS[self.generation].libtpu_name}:{self.shape}"
+
+    @property
+    def wrap(self) -> tuple[bool, bool, bool]:
+        """Torus wrap-around links per dimension: the full-size dimensions of the slice."""
+        dims = [int(d) for d in self.shape.split("x")]
+        if len(dims) == 3:  # v4 / v5p: a cube of 4x4x4 chips or more is a torus
+            return (min(dims) >= 4,) * 3
+        return (dims[0] == 16, dims[1] == 16, False)  # v5e / v6e: 16 chips wide wraps
+
+    @property
+    def hbm_gib(self) -> float:
+        return HBM_GIB[self.generation]
+
+
+def topology_names() -> list[str]:
+    return [f"{g}-{chips * gen.cores_per_chip}" for g, gen in GENERATIONS.items() for chips in gen.shapes]
+
+
+def parse_topology(name: str) -> Topology:
+    """'v5p-128' (an accelerator type) -> Topology; ValueError listing the valid names."""
+    m = re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", name.strip().lower())
+    gen = GENERATIONS.get(m.group(1)) if m else None
+    chips = int(m.group(2)) // gen.cores_per_chip if gen else None
+    if gen is None or chips not in gen.shapes:
+        raise ValueError(f"unknown TPU topology {name!r}; valid names: {', '.join(topology_names())}")
+    return Topology(name.strip().lower(), m.group(1), chips, gen.shapes[chips])
+
+
+def libtpu_available() -> bool:
+    env = os.environ.get("TPU_LIBRARY_PATH")
+    return bool(env and os.path.isfile(env)) or importlib.util.find_spec("libtpu") is not None
+
+
+def topology_devices(topo: Topology) -> list[Any]:
+    """The compile-only devices of `topo` (libtpu; no TPU needed). RuntimeError if libtpu is missing."""
+    if not libtpu_available():
+        raise RuntimeError(LIBTPU_MISSING)
+    from jax.experimental import topologies
+
+    # libtpu reads these once, when it loads: without them it queries the GCE metadata server
+    # and warns that it cannot find the TPU VM's workers, and a second process using libtpu at
+    # the same time fails on /tmp/libtpu_lockfile (which guards real TPU chips). Nothing here
+    # runs on a TPU.
+    for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_ACCELERATOR_TYPE", topo.name),
+                       ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"),
+                       ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
+        os.environ.setdefault(key, value)
+    gen = GENERATIONS[topo.generation]
+    desc = topologies.get_topology_desc(
+        topology_name=topo.libtpu_name, platform="tpu", chip_config_name=gen.chip_config,
+        chips_per_host_bounds=(2, 2, 1) if topo.chips >= 4 else (1, 1, 1), num_slices=1, wrap=topo.wrap)
+    devices = list(desc.devices)
+    if len(devices) != topo.chips:
+        raise RuntimeError(f"libtpu gave {len(devices)} devices for {topo.name} ({topo.libtpu_name}), "
+                           f"expected {topo.chips}")
+    return devices
+
+
+# ================================================================================ config
+def load_config(spec: str, overrides: list[str]) -> Any:
+    """The trainer's config of `spec` ('path.py[:args]') with `--config.<field>=value` overrides,
+    read as `python -m prolip_jax.train` reads them."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    from prolip_jax import config_args
+    from prolip_jax.train import with_defaults
+
+    config = with_defaults(config_args.load_config_file(spec))
+    config_args.check_overrides(config, overrides)
+    bad = [a for a in overrides if "=" not in a]
+    if bad:
+        raise ValueError(f"{bad[0]}: expected --config.<field>=<value>")
+    fv = flags.FlagValues()  # not absl's global FLAGS: main() may run more than once in a process
+    argv = ["compile_tpu", *overrides]
+    holder = config_flags.DEFINE_config_dict("config", config, lock_config=True, flag_values=fv, sys_argv=argv)
+    fv(argv)
+    return holder.value
+
+
+# =============================================================================== compile
+def build_step(config: Any, devices: list[Any], mcfg: Any = None) -> tuple[Any, tuple[Any, Any], dict[str, Any]]:
+    """(jitted train step, (abstract state, abstract global batch), facts) on `devices`'s mesh,
+    built as prolip_jax/train.py builds them; `mcfg` replaces the config's model (a shallower one)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from prolip_jax import flops as flops_lib
+    from prolip_jax import optim, sharding
+    from prolip_jax import step as step_lib
+    from prolip_jax.models import ProLIP, abstract_params
+    from prolip_jax.train import model_config, step_config, validate
+
+    mcfg = model_config(config) if mcfg is None else mcfg
+    mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes, devices=devices)
+    validate(config, mesh, mcfg)  # the trainer's checks: batch layout over the mesh, sizes, combinations
+    scfg = step_config(config)
+    model = ProLIP(mcfg, dtype=jnp.dtype(config.model.dtype), attention_impl=config.model.attention_impl,
+                   remat=config.model.remat)
+    param_shapes = abstract_params(mcfg)
+    optim_cfg = config.optim.to_dict()
+    tx, schedule = optim.make_optimizer(optim_cfg, config.total_steps, param_shapes, step=0)
+    state_sh = step_lib.state_shardings(model, tx, mesh, config.sharding_rules)
+    state = step_lib.abstract_train_state(model, tx, state_sh)
+    trainable = optim.trainable_mask(param_shapes, optim_cfg, 0)
+    b = config.batch_size
+    fn = step_lib.make_train_step(model, tx, schedule, scfg, mesh, b, trainable=trainable)
+    replicated = NamedSharding(mesh, P())
+    jitted = jax.jit(fn, in_shardings=(state_sh, None), out_shardings=(state_sh, replicated), donate_argnums=0)
+    s, length = mcfg.vision.image_size, mcfg.text.context_length
+    image_dtype = jnp.uint8 if config.data.get("image_dtype", "uint8") == "uint8" else jnp.float32
+    batch = {"image": jax.ShapeDtypeStruct((b, s, s, 3), image_dtype, sharding=sharding.batch_sharding(mesh, 4)),
+             "text": jax.ShapeDtypeStruct((b, length), jnp.int32, sharding=sharding.batch_sharding(mesh, 2))}
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(param_shapes))
+    model_flops = flops_lib.train_step_flops(mcfg, b, image_keep_ratio=config.masking.image_keep_ratio,
+                                             num_masked=step_lib.num_masked_rows(b, scfg))
+    facts = {"mesh": dict(mesh.shape), "rules": config.sharding_rules, "params": n_params,
+             "model_flops": model_flops, "dtype": config.model.dtype}
+    return jitted, (state, batch), facts
+
+
+@contextlib.contextmanager
+def no_persistent_cache_writes():
+    """JAX's persistent compilation cache cannot load an executable compiled for compile-only
+    devices (it warns on every later read): keep these out of it."""
+    import jax
+
+    key = "jax_persistent_cache_min_compile_time_secs"
+    old = getattr(jax.config, key)
+    jax.config.update(key, 1e12)
+    try:
+        yield
+    finally:
+        jax.config.update(key, old)
+
+
+_OOM = re.compile(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)", re.S)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+MEMORY_KEYS = ("argument_bytes", "temp_bytes", "output_bytes", "alias_bytes", "code_bytes", "total_bytes")
+
+
+def _compile(config: Any, devices: list[Any], hbm_gib: float, mcfg: Any = None,
+             logical_constraints: bool = False) -> dict[str, Any]:
+    """Per-chip measurements of one compile: memory, FLOPs and compile time (or the OOM)."""
+    import flax.linen as nn
+    import jax
+
+    from prolip_jax import sharding
+
+    t0, c0 = time.perf_counter(), time.process_time()  # wall and CPU (all threads): a shared machine's wall time drifts
+    jitted, args, facts = build_step(config, devices, mcfg)
+    with contextlib.ExitStack() as stack:
+        if logical_constraints:
+            stack.enter_context(jax.set_mesh(args[1]["text"].sharding.mesh))
+            stack.enter_context(nn.logical_axis_rules(sharding.resolve_rules(config.sharding_rules)))
+        lowered = jitted.lower(*args)
+    out = {"facts": facts}
+    try:
+        with no_persistent_cache_writes():
+            compiled = lowered.compile()
+    except Exception as e:  # noqa: BLE001  (jax raises JaxRuntimeError; its type is private)
+        m = _OOM.search(str(e))
+        if m is None:
+            raise
+        return {**out, "compile_s": time.perf_counter() - t0, "compile_cpu_s": time.process_time() - c0, "fits": False,
+                "error": " ".join(str(e).split())[:300], "required_bytes": float(m.group(1)) * _UNITS[m.group(2)]}
+    out["compile_s"], out["compile_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
+    mem = compiled.memory_analysis()
+    out.update(argument_bytes=mem.argument_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
+               output_bytes=mem.output_size_in_bytes, alias_bytes=mem.alias_size_in_bytes,
+               code_bytes=mem.generated_code_size_in_bytes)
+    out["total_bytes"] = (out["argument_bytes"] + out["temp_bytes"] + out["output_bytes"] - out["alias_bytes"]
+                          + out["code_bytes"])
+    out["fits"] = out["total_bytes"] <= hbm_gib * (1 << 30)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per program
+    out["compiled_flops_per_chip"] = float(cost.get("flops", float("nan")))
+    return out
+
+
+def shallow_depths(vision_layers: int, text_layers: int, target: int = 4) -> list[tuple[int, int]] | None:
+    """Two shallower (vision, text) depths in the model's own proportion, the first with about
+    `target` vision blocks and the second twice as deep; None if the model is not deeper than that."""
+    g = math.gcd(vision_layers, text_layers)
+    unit = (vision_layers // g, text_layers // g)
+    k = max(1, round(target / unit[0]))
+    if 2 * k >= g:
+        return None
+    return [(k * unit[0], k * unit[1]), (2 * k * unit[0], 2 * k * unit[1])]
+
+
+def extrapolate(shallow: list[dict[str, Any]], depths: list[tuple[int, int]], full: tuple[int, int],
+                hbm_gib: float) -> dict[str, Any]:
+    """The full-depth measurements, linear in depth through two shallower compiles (both towers
+    scaled together: every block adds the same parameters, optimiser state, saved activations,
+    FLOPs and code)."""
+    (a, _), (b, _) = depths
+    t = (full[0] - a) / (b - a)
+    out = {key: shallow[0][key] + t * (shallow[1][key] - shallow[0][key])
+           for key in (*MEMORY_KEYS, "compiled_flops_per_chip")}
+    out["fits"] = out["total_bytes"] <= hbm_gib * (1 << 30)
+    return out
+
+
+def compile_report(config: Any, topology: str | Topology, label: str = "", extrapolate_depth: bool = False,
+                   logical_constraints: bool = False) -> dict[str, Any]:
+    """Compiles the train step of `config` for `topology`; a dict of per-chip memory and FLOPs.
+
+    extrapolate_depth: compile the model at two shallower depths (`shallow_depths`) and extrapolate
+    linearly to its depth (`extrapolate`), for machines without the memory the full compile needs
+    (libtpu takes ~18 GB of host memory for B/16 whatever the batch; the towers are unrolled).
+    logical_constraints: lower under the config's mesh and logical axis rules (`jax.set_mesh`,
+    `nn.logical_axis_rules`), so the models' `nn.with_logical_constraint(x, ("batch", "length",
+    "embed"))` on activations take effect. prolip_jax/train.py lowers its step without them, where
+    they are no-ops and sharding propagation alone decides the activations' layout."""
+    from prolip_jax.train import model_config
+
+    topo = parse_topology(topology) if isinstance(topology, str) else topology
+    devices = topology_devices(topo)
+    mcfg = model_config(config)
+    full = (mcfg.vision.layers, mcfg.text.layers)
+    depths = shallow_depths(*full) if extrapolate_depth else None
+    if depths is None:
+        measured = _compile(config, devices, topo.hbm_gib, logical_constraints=logical_constraints)
+        how = "compiled"
+    else:
+        shallow = [_compile(config, devices, topo.hbm_gib, mcfg.replace(
+            vision=dataclasses.replace(mcfg.vision, layers=v), text=dataclasses.replace(mcfg.text, layers=t)),
+            logical_constraints) for v, t in depths]
+        oom = [r for r in shallow if "total_bytes" not in r]  # the full depth needs more than these
+        measured = dict(oom[0]) if oom else extrapolate(shallow, depths, full, topo.hbm_gib)
+        for key in ("compile_s", "compile_cpu_s"):
+            measured[key] = sum(r[key] for r in shallow)
+        measured["facts"] = build_step(config, devices, mcfg)[2]  # the full model's (traced, not compiled)
+        how = "extrapolated from " + " and ".join(f"{v}+{t}" for v, t in depths) + " blocks"
+    if logical_constraints:
+        how += ", activation constraints on"
+    facts = measured.pop("facts")
+    report = {"label": label or config.model.variant, "topology": topo.name, "chips": topo.chips,
+              "device_kind": devices[0].device_kind, "hbm_gib": topo.hbm_gib, "batch": config.batch_size,
+              "per_chip_batch": config.batch_size / topo.chips, "remat": config.model.remat,
+              "ppcl_impl": config.loss.get("ppcl_impl", ""), "how": how, "depth": full, **facts,
+              "model_flops_per_chip": facts["model_flops"] / topo.chips, **measured}
+    if "compiled_flops_per_chip" in report:
+        report["flops_ratio"] = report["compiled_flops_per_chip"] / report["model_flops_per_chip"]
+    return report
+
+
+# ================================================================================ output
+def _gib(x: float | None) -> str:
+    return "-" if x is None else f"{x / (1 << 30):.2f}"
+
+
+def table(reports: list[dict[str, Any]]) -> str:
+    """Markdown table of compile_report results (~: extrapolated in depth, see compile_report)."""
+    head = ("| config | topology (chips) | batch/chip | mesh, rules | HBM/chip GiB | arguments | temporaries "
+            "| output | total GiB | fits | compiled TFLOP/chip | flops.py TFLOP/chip | ratio | compile s (CPU s) | how |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in reports:
+        mesh = "x".join(f"{k}{v}" for k, v in r["mesh"].items() if v > 1) or "1"
+        est = "" if r["how"] == "compiled" else "~"
+        if "total_bytes" in r:
+            mem = [est + _gib(r[k]) for k in ("argument_bytes", "temp_bytes", "output_bytes", "total_bytes")]
+            flops = [f"{est}{r['compiled_flops_per_chip'] / 1e12:.1f}", f"{r['model_flops_per_chip'] / 1e12:.1f}",
+                     f"{r['flops_ratio']:.2f}"]
+        else:
+            mem = ["-", "-", "-", f"{'>' if est else ''}{_gib(r['required_bytes'])} needed"]
+            flops = ["-", f"{r['model_flops_per_chip'] / 1e12:.1f}", "-"]
+        rows.append(f"| {r['label']} | {r['topology']} ({r['chips']}) | {r['per_chip_batch']:g} | {mesh}, "
+                    f"{r['rules']} | {r['hbm_gib']:g} | " + " | ".join(mem) + f" | {'yes' if r['fits'] else '**no**'} | "
+                    + " | ".join(flops) + f" | {r['compile_s']:.0f} ({r['compile_cpu_s']:.0f}) | {r['how']} |")
+    return "\n".join(rows)
+
+
+def describe(r: dict[str, Any]) -> str:
+    lines = [f"{r['label']} on {r['topology']}: {r['chips']} x {r['device_kind']}, mesh {r['mesh']}, rules "
+             f"{r['rules']}, global batch {r['batch']} ({r['per_chip_batch']:g}/chip), {r['params'] / 1e6:.0f}M "
+             f"params, {r['dtype']} compute, remat {r['remat']}, ppcl {r['ppcl_impl']}",
+             f"compile: {r['compile_s']:.1f} s, {r['compile_cpu_s']:.1f} CPU s ({r['how']}; depth {r['depth'][0]}+{r['depth'][1]} blocks)"]
+    if "total_bytes" in r:
+        lines.append(f"memory per chip: arguments {_gib(r['argument_bytes'])} GiB, temporaries {_gib(r['temp_bytes'])} "
+                     f"GiB, output {_gib(r['output_bytes'])} GiB, aliased (donated) {_gib(r['alias_bytes'])} GiB, "
+                     f"code {_gib(r['code_bytes'])} GiB -> total {_gib(r['total_bytes'])} of {r['hbm_gib']:g} GiB HBM: "
+                     f"{'fits' if r['fits'] else 'DOES NOT FIT'}")
+        lines.append(f"FLOPs per chip: compiled {r['compiled_flops_per_chip'] / 1e12:.2f} TFLOP, flops.py "
+                     f"{r['model_flops_per_chip'] / 1e12:.2f} TFLOP (ratio {r['flops_ratio']:.3f})")
+    else:
+        lines.append(f"DOES NOT FIT: {r['error']}")
+    return "\n".join(lines)
+
+
+def check(config: Any, topo: Topology) -> None:
+    """The trainer's checks of `config` on `topo`'s mesh (prolip_jax/train.py validate): ValueError."""
+    from prolip_jax import sharding
+    from prolip_jax.train import model_config, validate
+
+    mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes, devices=topology_devices(topo))
+    validate(config, mesh, model_config(config))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from absl import flags
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--topology", default=None,
+                   help="accelerator type(s), comma-separated, e.g. v5p-128,v4-256,v5e-256 "
+                        f"(default with --all: {','.join(DEFAULT_ALL_TOPOLOGIES)})")
+    p.add_argument("--config", default=None, help="config file[:args], as for prolip_jax.train")
+    p.add_argument("--all", action="store_true",
+                   help=f"the paper's configurations: {PAPER_CONFIG} with variant={', '.join(PAPER_VARIANTS)}")
+    p.add_argument("--out", default=None, help="also write the markdown table here")
+    p.add_argument("--logical_constraints", action="store_true",
+                   help="lower under the config's mesh and logical axis rules so the models' activation "
+                        "sharding constraints apply (the trainer does not, today: see compile_report)")
+    p.add_argument("--extrapolate_depth", action="store_true",
+                   help="compile two shallower copies of the model and extrapolate to its depth (for "
+                        "machines without the ~18 GB (B/16) to ~40 GB of host memory a full compile takes)")
+    args, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+    overrides = [a for a in rest if a.startswith("--config.")]
+    unknown = [a for a in rest if not a.startswith("--config.")]
+    try:
+        if unknown:
+            raise ValueError(f"unknown argument(s) {unknown}")
+        if args.all == bool(args.config):
+            raise ValueError("give --config FILE[:args] or --all (one of them)")
+        if not args.all and not args.topology:
+            raise ValueError("--topology is required, e.g. --topology v5p-128")
+        topologies = [parse_topology(t) for t in (args.topology.split(",") if args.topology else DEFAULT_ALL_TOPOLOGIES)]
+        specs = [(f"{PAPER_CONFIG}:variant={v}", v) for v in PAPER_VARIANTS] if args.all else [(args.config, "")]
+        configs = [(load_config(spec, overrides), label) for spec, label in specs]
+        if not libtpu_available():
+            raise RuntimeError(LIBTPU_MISSING)
+        for topo in topologies:  # a config that cannot run on a topology fails now, before any compile
+            for config, _ in configs:
+                check(config, topo)
+    except (flags.Error, ValueError, TypeError, KeyError, AttributeError, RuntimeError, FileNotFoundError) as e:
+        msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+        print("error: " + " ".join(msg.split()), file=sys.stderr)  # one line
+        return 2
+    reports = []
+    for topo in topologies:
+        for config, label in configs:
+            r = compile_report(config, topo, label, extrapolate_depth=args.extrapolate_depth,
+                               logical_constraints=args.logical_constraints)
+            print(describe(r), flush=True)
+            reports.append(r)
+    md = table(reports)
+    print("\n" + md)
+    if args.out:
+        cmd = "python scripts/compile_tpu.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        Path(args.out).write_text(f"<!-- {cmd} -->\n{md}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
