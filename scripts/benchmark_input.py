@@ -1,24 +1,34 @@
-"""Input pipeline throughput: decode + augment + tokenize at 224 px from JPEG tar shards.
+"""Input pipeline throughput against a bare PIL loop, both timed in the same run.
 
-    python scripts/benchmark_input.py                    # worker counts 1..#cores
+    python scripts/benchmark_input.py --workers 0 1 2          # default: 0..#cores
     python scripts/benchmark_input.py --workers 0 1 2 4 --images 4000
 
-Writes its own img2dataset-style shards of ~400x300 JPEGs (quality 90, ~40-60 KB, like web
-photos) into a temporary folder, then times the real training pipeline (tar source, window
-shuffle, RandomResizedCrop + ColorJitter + grayscale, tokenization, batching) for each worker
-count. `--workers 0` runs everything in this process. Tokenizer: a SentencePiece model trained
-on the fly on the captions and used through input_pipeline.tokenizers (canonicalize cleaning,
-context 64), as for SigLIP-style ProLIP training.
+Writes its own img2dataset-style shards of ~400x300 JPEGs (quality 90, ~40 KB, like web photos)
+into a temporary folder, then for each worker count times, alternately, in windows of
+`--images` images:
+  pipeline: the real training pipeline (tar source, window shuffle, per-record seeded
+      RandomResizedCrop + ColorJitter + grayscale, caption, tokenization, batching, grain
+      worker processes); `--workers 0` runs it in this process.
+  bare: the same JPEGs (already in memory) through a loop of nothing but the same decode and
+      the training transform (crop + bicubic resize, colour jitter / grayscale, uint8 array),
+      one RNG for the whole loop; in `workers` spawned processes (in this process for 0).
+Tokenizer: a SentencePiece model trained on the fly on the captions and used through
+input_pipeline.tokenizers (canonicalize cleaning, context 64), as for SigLIP-style training.
 
-Columns: images/s (wall clock, all workers together); per core = images/s / workers (meaningful
-while workers <= cores); per CPU-s = images per CPU-second used by this process and its workers
-(psutil), the per-core cost that other load on a shared machine does not distort.
+Columns: images/s (wall clock, all processes together); per core = images/s / workers
+(meaningful while workers <= cores); per CPU-s = images per CPU-second the timed processes
+used (psutil), which other load on a shared machine distorts much less. pipeline/bare = the
+ratio of the two in adjacent windows (median over repeats), by wall clock and by CPU-seconds.
+Each figure is the median over `--repeats` windows; [min-max] of the pipeline's images/s.
 """
 from __future__ import annotations
 
 import argparse
+import io
+import multiprocessing
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -37,12 +47,11 @@ def _tokenizer(directory: str, captions: list[str]):
     return build_tokenizer("sentencepiece", prefix + ".model", context_length=64)
 
 
-def _cpu_seconds() -> float:
-    """CPU time (user + system) of this process and its worker processes so far."""
+def _cpu_seconds(procs) -> float:
+    """CPU time (user + system) so far of psutil processes `procs`."""
     import psutil
-    me = psutil.Process()
     total = 0.0
-    for proc in [me] + me.children(recursive=True):
+    for proc in procs:
         try:
             t = proc.cpu_times()
             total += t.user + t.system
@@ -51,41 +60,160 @@ def _cpu_seconds() -> float:
     return total
 
 
-def _measure(config: dict, tokenizer, warmup: int, images: int, repeats: int
-             ) -> list[tuple[float, float]]:
-    """(images/s, images per CPU-second) over `repeats` windows of `images`, after a warm-up."""
-    from input_pipeline import pipeline
-    it = pipeline.build_train_iterator(config, tokenizer, process_index=0, process_count=1)
+def _family():
+    """This process and all its descendants (grain workers, bare-loop processes)."""
+    import psutil
+    me = psutil.Process()
+    return [me] + me.children(recursive=True)
+
+
+def _wait_quiet(timeout: float = 10.0) -> None:
+    """Waits until this process family stops using CPU (grain workers fill their prefetch
+    buffers after a pipeline window), so that the next window runs alone."""
+    deadline = time.monotonic() + timeout
+    last = _cpu_seconds(_family())
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = _cpu_seconds(_family())
+        if now - last < 0.02:   # < 10% of one core over the interval
+            return
+        last = now
+
+
+# --- the bare loop ---------------------------------------------------------------------------
+
+_JPEGS: list[bytes] = []
+
+
+def _load_jpegs(pattern: str) -> list[bytes]:
+    import glob
+    from input_pipeline import tar_source
     out = []
-    try:
-        for _ in range(warmup):   # includes starting the worker processes
-            next(it)
-        batches = max(1, images // config["batch_size"])
-        for _ in range(repeats):
-            cpu, start = _cpu_seconds(), time.perf_counter()
-            for _ in range(batches):
-                batch = next(it)
-            n = batches * config["batch_size"]
-            out.append((n / (time.perf_counter() - start), n / (_cpu_seconds() - cpu)))
-        assert batch["image"].shape[1:] == (config["image_size"],) * 2 + (3,)
-        del batch
-        return out
-    finally:
-        it.close()
+    for path in sorted(glob.glob(pattern)):
+        with open(path, "rb") as f:
+            out += [m["jpg"] for _, m in tar_source.iter_tar_groups(f)]
+    return out
+
+
+def _bare_init(pattern: str) -> None:
+    global _JPEGS
+    _JPEGS = _load_jpegs(pattern)
+
+
+def _bare_loop(args: tuple[int, int, int, str, bool]) -> int:
+    """Decodes and transforms `count` of the JPEGs from `offset` on, like the pipeline's
+    decoder does for one record, minus everything around it (tar, per-record seeding,
+    captions, tokenization, batching, worker processes). pil_defaults: with PIL's default
+    memory settings rather than the pipeline's (decode.keep_pil_blocks)."""
+    count, offset, size, jitter_impl, pil_defaults = args
+    import numpy as np
+    from PIL import Image
+    from input_pipeline import decode, transforms
+    aug = transforms.AugmentConfig(color_jitter_impl=jitter_impl)
+    rng = np.random.default_rng(offset)
+    blocks_max = Image.core.get_blocks_max()
+    if pil_defaults:
+        Image.core.set_blocks_max(0)
+    else:
+        decode.keep_pil_blocks()
+    for i in range(offset, offset + count):
+        img = Image.open(io.BytesIO(_JPEGS[i % len(_JPEGS)]))
+        img.load()
+        if img.mode != "RGB":
+            img = img.convert("RGB")
+        image = transforms.train_transform(img, size, rng, aug)
+    if pil_defaults:   # for the pipeline, when it runs in this process (--workers 0)
+        Image.core.set_blocks_max(blocks_max)
+    assert image.shape == (size, size, 3) and image.dtype == np.uint8
+    return count
+
+
+class _Bare:
+    """The bare loop in `workers` processes (this process for 0), timed like the pipeline."""
+
+    def __init__(self, workers: int, pattern: str, size: int, jitter_impl: str,
+                 pil_defaults: bool):
+        self.workers, self.size, self.jitter_impl = workers, size, jitter_impl
+        self.pil_defaults = pil_defaults
+        self.pool = None
+        if workers:
+            self.pool = multiprocessing.get_context("spawn").Pool(
+                workers, initializer=_bare_init, initargs=(pattern,))
+            self.pool.map(_bare_loop, self._chunks(8), chunksize=1)   # start + warm up
+        else:
+            _bare_init(pattern)
+            _bare_loop(self._chunks(8)[0])
+
+    def _chunks(self, images: int) -> list[tuple[int, int, int, str, bool]]:
+        n = max(1, self.workers)
+        return [(images // n, w * 997, self.size, self.jitter_impl, self.pil_defaults)
+                for w in range(n)]
+
+    def measure(self, images: int) -> tuple[float, float]:
+        """(images/s, images per CPU-second) of one window of `images`."""
+        import psutil
+        procs = ([psutil.Process(p.pid) for p in self.pool._pool] if self.pool
+                 else [psutil.Process()])
+        cpu, start = _cpu_seconds(procs), time.perf_counter()
+        if self.pool:
+            n = sum(self.pool.map(_bare_loop, self._chunks(images), chunksize=1))
+        else:
+            n = _bare_loop(self._chunks(images)[0])
+        return n / (time.perf_counter() - start), n / (_cpu_seconds(procs) - cpu)
+
+    def close(self) -> None:
+        if self.pool:
+            self.pool.terminate()
+            self.pool.join()
+
+
+# --- the pipeline ----------------------------------------------------------------------------
+
+class _Pipeline:
+    def __init__(self, config: dict, tokenizer):
+        from input_pipeline import pipeline
+        self.config = config
+        self.it = pipeline.build_train_iterator(config, tokenizer, process_index=0,
+                                                process_count=1)
+        for _ in range(2 * max(1, config["num_workers"])):   # starts the worker processes
+            next(self.it)
+
+    def measure(self, images: int) -> tuple[float, float]:
+        """(images/s, images per CPU-second) of one window of `images`, in steady state: the
+        batches the workers prefetched while the bare loop ran are taken first, untimed."""
+        workers = self.config["num_workers"]
+        for _ in range(workers * (self.config["per_worker_buffer_size"] + 1)):
+            next(self.it)
+        batches = max(1, images // self.config["batch_size"])
+        procs = _family()
+        cpu, start = _cpu_seconds(procs), time.perf_counter()
+        for _ in range(batches):
+            batch = next(self.it)
+        n = batches * self.config["batch_size"]
+        rates = n / (time.perf_counter() - start), n / (_cpu_seconds(procs) - cpu)
+        assert batch["image"].shape[1:] == (self.config["image_size"],) * 2 + (3,)
+        return rates
+
+    def close(self) -> None:
+        self.it.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     cores = os.cpu_count() or 1
-    parser.add_argument("--workers", type=int, nargs="+", default=list(range(1, cores + 1)))
+    parser.add_argument("--workers", type=int, nargs="+", default=list(range(0, cores + 1)))
     parser.add_argument("--images", type=int, default=1500, help="images per timed window")
-    parser.add_argument("--repeats", type=int, default=3, help="timed windows per setting")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed windows per setting, for each of pipeline and bare loop")
     parser.add_argument("--shards", type=int, default=16)
     parser.add_argument("--per-shard", type=int, default=100)
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--image-dtype", default="uint8", choices=("uint8", "float32"))
     parser.add_argument("--color-jitter-impl", default="fast", choices=("fast", "torchvision"))
+    parser.add_argument("--bare-pil-defaults", action="store_true",
+                        help="run the bare loop with PIL's default memory settings (freed "
+                        "image buffers go back to malloc) instead of the pipeline's")
     args = parser.parse_args(argv)
 
     from input_pipeline import synthetic
@@ -98,24 +226,55 @@ def main(argv: list[str] | None = None) -> int:
               f"in {time.perf_counter() - t0:.1f} s")
         rng = __import__("numpy").random.default_rng(0)
         tokenizer = _tokenizer(tmp, [synthetic.random_caption(rng) for _ in range(2000)])
-        print(f"machine: {platform.processor() or platform.machine()}, {cores} cores; "
-              f"image_size={args.image_size} batch={args.batch_size} "
-              f"image_dtype={args.image_dtype} color_jitter_impl={args.color_jitter_impl}")
-        print(f"{'workers':>8} {'images/s':>9} {'per core':>9} {'per CPU-s':>10}   (median of "
-              f"{args.repeats} windows of {args.images} images; min-max of images/s)")
+        pattern = os.path.join(tmp, "*.tar")
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        memory = "default" if args.bare_pil_defaults else "the pipeline's"
+        print(f"machine: {platform.processor() or platform.machine()}, {cores} cores, load "
+              f"average {load} at the start; image_size={args.image_size} "
+              f"batch={args.batch_size} image_dtype={args.image_dtype} "
+              f"color_jitter_impl={args.color_jitter_impl}; bare loop with {memory} PIL "
+              "memory settings")
+        print(f"median of {args.repeats} alternating windows of {args.images} images each")
+        print(f"{'':>8} {'--------- pipeline ---------':>38} {'------ bare PIL loop ------':>28}"
+              f" {'pipeline/bare':>15}")
+        print(f"{'workers':>8} {'images/s':>9} {'[min-max]':>11} {'per core':>8} "
+              f"{'per CPU-s':>9} {'images/s':>9} {'per core':>8} {'per CPU-s':>9} "
+              f"{'wall':>6} {'CPU-s':>6}")
+        results = {}
         for workers in args.workers:
-            config = dict(source="tar", path=os.path.join(tmp, "*.tar"),
-                          batch_size=args.batch_size, image_size=args.image_size,
-                          num_workers=workers, shuffle_buffer_size=256, seed=0,
+            config = dict(source="tar", path=pattern, batch_size=args.batch_size,
+                          image_size=args.image_size, num_workers=workers,
+                          per_worker_buffer_size=2, shuffle_buffer_size=256, seed=0,
                           image_dtype=args.image_dtype,
                           color_jitter_impl=args.color_jitter_impl)
-            rates = _measure(config, tokenizer, warmup=2 * max(1, workers),
-                             images=args.images, repeats=args.repeats)
-            wall = sorted(r[0] for r in rates)
-            cpu = sorted(r[1] for r in rates)[len(rates) // 2]
-            rate = wall[len(wall) // 2]
-            print(f"{workers:>8} {rate:>9.0f} {rate / max(1, workers):>9.0f} {cpu:>10.0f}   "
-                  f"[{wall[0]:.0f}-{wall[-1]:.0f}]", flush=True)
+            pipe = _Pipeline(config, tokenizer)
+            bare = _Bare(workers, pattern, args.image_size, args.color_jitter_impl,
+                         args.bare_pil_defaults)
+            p_runs, b_runs = [], []
+            try:
+                for r in range(args.repeats):   # alternate which goes first
+                    for which in ((pipe, bare) if r % 2 else (bare, pipe)):
+                        _wait_quiet()
+                        (p_runs if which is pipe else b_runs).append(which.measure(args.images))
+            finally:
+                pipe.close()
+                bare.close()
+            med = lambda xs: statistics.median(xs)   # noqa: E731
+            p_wall, p_cpu = med([x[0] for x in p_runs]), med([x[1] for x in p_runs])
+            b_wall, b_cpu = med([x[0] for x in b_runs]), med([x[1] for x in b_runs])
+            ratio_wall = med([p[0] / b[0] for p, b in zip(p_runs, b_runs)])
+            ratio_cpu = med([p[1] / b[1] for p, b in zip(p_runs, b_runs)])
+            results[workers] = (p_wall, b_wall)
+            n = max(1, workers)
+            lo, hi = min(x[0] for x in p_runs), max(x[0] for x in p_runs)
+            print(f"{workers:>8} {p_wall:>9.0f} {f'[{lo:.0f}-{hi:.0f}]':>11} {p_wall / n:>8.0f} "
+                  f"{p_cpu:>9.0f} {b_wall:>9.0f} {b_wall / n:>8.0f} {b_cpu:>9.0f} "
+                  f"{ratio_wall:>6.0%} {ratio_cpu:>6.0%}", flush=True)
+        if 1 in results:
+            print("scaling, images/s against 1 worker: " + "; ".join(
+                f"{w} workers: pipeline {p / results[1][0]:.2f}x, bare {b / results[1][1]:.2f}x"
+                for w, (p, b) in results.items() if w > 1))
+        print(f"load average {', '.join(f'{x:.1f}' for x in os.getloadavg())} at the end")
     return 0
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from input_pipeline import decode, pipeline, synthetic
+from input_pipeline import decode, pipeline, synthetic, tar_source
 from input_pipeline.records import SKIP_REASONS, encode_record
 from conftest import KeyTokenizer
 
@@ -254,3 +254,63 @@ def test_shard_cut_in_a_header_is_counted_and_named(tmp_path, caplog):
     open(cut, "wb").write(bytes(garbled))
     keys, counts = read(cut)
     assert keys == [0, 1, 2] and counts["corrupt_shard"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The tar reader's own header parser against tarfile's stream mode.
+# ---------------------------------------------------------------------------------------------
+def _members_and_failure(read, data):
+    out = []
+    try:
+        out.extend(read(io.BytesIO(data)))
+    except tar_source._SHARD_ERRORS:
+        return out, True
+    return out, False
+
+
+def _tar_of(names, fmt, compression=""):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w" + (":" + compression if compression else ""),
+                      format=fmt) as tar:
+        for name in names:
+            info = tarfile.TarInfo(name.rstrip("/"))
+            if name.endswith("/"):
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            elif name.startswith("->"):
+                info.name, info.type, info.linkname = name[2:], tarfile.SYMTYPE, "target"
+                tar.addfile(info)
+            else:
+                data = name.encode() * 3
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_tar_reader_matches_tarfile_stream_mode(tmp_path):
+    """iter_tar_files yields the members tarfile's stream mode yields and fails where it fails
+    (with a missing end-of-archive block a failure too): every cut, garbled bytes, every tar
+    format, long and prefixed names, directories, links, compression."""
+    reference, fast = tar_source._tarfile_files, tar_source.iter_tar_files
+    [path] = synthetic.make_jpeg_shards(str(tmp_path), 1, 3, 16, 16, seed=5)
+    full = open(path, "rb").read()
+    cases = [full[:cut] for cut in range(0, len(full) + 1, 7)] + [b"", b"not a tar" * 99]
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        garbled = bytearray(full)
+        for pos in rng.integers(0, len(full), rng.integers(1, 4)):
+            garbled[pos:pos + int(rng.integers(1, 16))] = rng.choice(
+                [0, 32, 48, 55, 255, int(rng.integers(256))], 1).tobytes()
+        cases.append(bytes(garbled[:len(full)]))
+    names = ["a.jpg", "a.txt", "d/", "d/b.jpg", "->d/c.jpg", "d/b.txt", "x" * 120 + ".jpg",
+             "p" * 90 + "/" + "q" * 60 + ".jpg", "\xe9.txt", "z.jpg"]
+    for fmt in (tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT):
+        usable = [n for n in names if fmt != tarfile.USTAR_FORMAT or len(n) < 100 or "/" in n]
+        for compression in ("", "gz"):
+            data = _tar_of(usable, fmt, compression)
+            members, failed = _members_and_failure(fast, data)
+            assert not failed and [n for n, _ in members] == [
+                n for n in usable if not n.endswith("/") and not n.startswith("->")]
+            cases += [data] + [data[:cut] for cut in range(0, len(data), 97)]
+    for case in cases:
+        assert _members_and_failure(fast, case) == _members_and_failure(reference, case)
