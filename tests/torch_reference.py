@@ -69,7 +69,7 @@ class Visual(nn.Module):
         pos = self.positional_embedding
         if keep_idx is not None:
             x = x.index_select(1, keep_idx)
-            pos = pos.index_select(0, torch.cat([torch.tensor([0, 1]), keep_idx + 2]))
+            pos = pos.index_select(0, torch.cat([keep_idx.new_tensor([0, 1]), keep_idx + 2]))
         b = x.shape[0]
         x = torch.cat([self.class_embedding.expand(b, 1, -1), self.unc_embedding.expand(b, 1, -1), x], 1) + pos
         x = self.transformer(self.ln_pre(x).permute(1, 0, 2)).permute(1, 0, 2)
