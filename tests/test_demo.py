@@ -97,3 +97,29 @@ def test_demo_smoke_end_to_end(tmp_path):
 
 def _demo_module_steps() -> int:
     return _load("configs/demo.py").get_config("smoke=1").total_steps
+
+
+def test_two_demo_trainings_are_bit_identical(tmp_path):
+    """The demo is deterministic on one machine: two fresh processes training the same config
+    log the same loss at every step and end with bit-identical parameters (so two `make demo`
+    runs print the same table; the evaluation is a pure function of the checkpoint)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PROLIP_JAX_CACHE=str(tmp_path / "cache"))
+    runs = []
+    for name in ("a", "b"):
+        workdir = tmp_path / name
+        run = subprocess.run([sys.executable, "-m", "prolip_jax.train", "--config", "configs/demo.py:smoke=1,steps=20",
+                              "--workdir", str(workdir), "--config.log_steps=1"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stderr[-4000:]
+        losses = [(r["step"], r["loss"]) for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
+                  if "loss" in r]
+        runs.append((losses, workdir))
+    assert len(runs[0][0]) == 20 and runs[0][0] == runs[1][0]
+    from prolip_jax import checkpoint
+
+    a, b = (checkpoint.load_params(w / "checkpoints")[0] for _, w in runs)
+    import jax
+    import numpy as np
+
+    jax.tree.map(np.testing.assert_array_equal, a, b)
