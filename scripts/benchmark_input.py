@@ -159,7 +159,7 @@ class _Bare:
             n = sum(self.pool.map(_bare_loop, self._chunks(images), chunksize=1))
         else:
             n = _bare_loop(self._chunks(images)[0])
-        return n / (time.perf_counter() - start), n / (_cpu_seconds(procs) - cpu)
+        return n / (time.perf_counter() - start), n / max(_cpu_seconds(procs) - cpu, 1e-6)
 
     def close(self) -> None:
         if self.pool:
@@ -180,17 +180,20 @@ class _Pipeline:
 
     def measure(self, images: int) -> tuple[float, float]:
         """(images/s, images per CPU-second) of one window of `images`, in steady state: the
-        batches the workers prefetched while the bare loop ran are taken first, untimed."""
-        workers = self.config["num_workers"]
-        for _ in range(workers * (self.config["per_worker_buffer_size"] + 1)):
+        batches the workers prefetched while the other loops ran are taken first, untimed,
+        until `workers` batches in a row had to be waited for (a batch takes >> 5 ms)."""
+        waited = 0
+        while waited < max(1, self.config["num_workers"]):
+            start = time.perf_counter()
             next(self.it)
+            waited = waited + 1 if time.perf_counter() - start > 0.005 else 0
         batches = max(1, images // self.config["batch_size"])
         procs = _family()
         cpu, start = _cpu_seconds(procs), time.perf_counter()
         for _ in range(batches):
             batch = next(self.it)
         n = batches * self.config["batch_size"]
-        rates = n / (time.perf_counter() - start), n / (_cpu_seconds(procs) - cpu)
+        rates = n / (time.perf_counter() - start), n / max(_cpu_seconds(procs) - cpu, 1e-6)
         assert batch["image"].shape[1:] == (self.config["image_size"],) * 2 + (3,)
         return rates
 
@@ -198,22 +201,22 @@ class _Pipeline:
         self.it.close()
 
 
+_LOOPS = ("pipeline", "bare", "bare, PIL defaults")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     cores = os.cpu_count() or 1
     parser.add_argument("--workers", type=int, nargs="+", default=list(range(0, cores + 1)))
-    parser.add_argument("--images", type=int, default=1500, help="images per timed window")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="timed windows per setting, for each of pipeline and bare loop")
+    parser.add_argument("--images", type=int, default=1000, help="images per timed window")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed windows per worker count, for each loop")
     parser.add_argument("--shards", type=int, default=16)
     parser.add_argument("--per-shard", type=int, default=100)
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--image-dtype", default="uint8", choices=("uint8", "float32"))
     parser.add_argument("--color-jitter-impl", default="fast", choices=("fast", "torchvision"))
-    parser.add_argument("--bare-pil-defaults", action="store_true",
-                        help="run the bare loop with PIL's default memory settings (freed "
-                        "image buffers go back to malloc) instead of the pipeline's")
     args = parser.parse_args(argv)
 
     from input_pipeline import synthetic
@@ -228,18 +231,14 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = _tokenizer(tmp, [synthetic.random_caption(rng) for _ in range(2000)])
         pattern = os.path.join(tmp, "*.tar")
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-        memory = "default" if args.bare_pil_defaults else "the pipeline's"
         print(f"machine: {platform.processor() or platform.machine()}, {cores} cores, load "
               f"average {load} at the start; image_size={args.image_size} "
               f"batch={args.batch_size} image_dtype={args.image_dtype} "
-              f"color_jitter_impl={args.color_jitter_impl}; bare loop with {memory} PIL "
-              "memory settings")
-        print(f"median of {args.repeats} alternating windows of {args.images} images each")
-        print(f"{'':>8} {'--------- pipeline ---------':>38} {'------ bare PIL loop ------':>28}"
-              f" {'pipeline/bare':>15}")
-        print(f"{'workers':>8} {'images/s':>9} {'[min-max]':>11} {'per core':>8} "
-              f"{'per CPU-s':>9} {'images/s':>9} {'per core':>8} {'per CPU-s':>9} "
-              f"{'wall':>6} {'CPU-s':>6}")
+              f"color_jitter_impl={args.color_jitter_impl}")
+        print(f"median of {args.repeats} windows of {args.images} images per loop, the loops "
+              "taking turns; pipeline/loop: the pipeline's rate over the loop's, window by window")
+        print(f"{'workers':>7}  {'loop':<20} {'images/s':>8} {'[min-max]':>11} {'per core':>8} "
+              f"{'per CPU-s':>9}   {'pipeline/loop: wall, CPU-s':>26}")
         results = {}
         for workers in args.workers:
             config = dict(source="tar", path=pattern, batch_size=args.batch_size,
@@ -247,33 +246,37 @@ def main(argv: list[str] | None = None) -> int:
                           per_worker_buffer_size=2, shuffle_buffer_size=256, seed=0,
                           image_dtype=args.image_dtype,
                           color_jitter_impl=args.color_jitter_impl)
-            pipe = _Pipeline(config, tokenizer)
-            bare = _Bare(workers, pattern, args.image_size, args.color_jitter_impl,
-                         args.bare_pil_defaults)
-            p_runs, b_runs = [], []
+            loops = {"pipeline": _Pipeline(config, tokenizer)}
             try:
-                for r in range(args.repeats):   # alternate which goes first
-                    for which in ((pipe, bare) if r % 2 else (bare, pipe)):
+                for name, defaults in (("bare", False), ("bare, PIL defaults", True)):
+                    loops[name] = _Bare(workers, pattern, args.image_size,
+                                        args.color_jitter_impl, defaults)
+                runs = {name: [] for name in loops}
+                for r in range(args.repeats):   # each loop goes first in turn
+                    for name in _LOOPS[r % 3:] + _LOOPS[:r % 3]:
                         _wait_quiet()
-                        (p_runs if which is pipe else b_runs).append(which.measure(args.images))
+                        runs[name].append(loops[name].measure(args.images))
             finally:
-                pipe.close()
-                bare.close()
-            med = lambda xs: statistics.median(xs)   # noqa: E731
-            p_wall, p_cpu = med([x[0] for x in p_runs]), med([x[1] for x in p_runs])
-            b_wall, b_cpu = med([x[0] for x in b_runs]), med([x[1] for x in b_runs])
-            ratio_wall = med([p[0] / b[0] for p, b in zip(p_runs, b_runs)])
-            ratio_cpu = med([p[1] / b[1] for p, b in zip(p_runs, b_runs)])
-            results[workers] = (p_wall, b_wall)
+                for loop in loops.values():
+                    loop.close()
             n = max(1, workers)
-            lo, hi = min(x[0] for x in p_runs), max(x[0] for x in p_runs)
-            print(f"{workers:>8} {p_wall:>9.0f} {f'[{lo:.0f}-{hi:.0f}]':>11} {p_wall / n:>8.0f} "
-                  f"{p_cpu:>9.0f} {b_wall:>9.0f} {b_wall / n:>8.0f} {b_cpu:>9.0f} "
-                  f"{ratio_wall:>6.0%} {ratio_cpu:>6.0%}", flush=True)
-        if 1 in results:
-            print("scaling, images/s against 1 worker: " + "; ".join(
-                f"{w} workers: pipeline {p / results[1][0]:.2f}x, bare {b / results[1][1]:.2f}x"
-                for w, (p, b) in results.items() if w > 1))
+            for name in _LOOPS:
+                wall = [x[0] for x in runs[name]]
+                rate, cpu = statistics.median(wall), statistics.median(x[1] for x in runs[name])
+                results[workers, name] = rate
+                line = (f"{workers:>7}  {name:<20} {rate:>8.0f} "
+                        f"{f'[{min(wall):.0f}-{max(wall):.0f}]':>11} {rate / n:>8.0f} {cpu:>9.0f}")
+                if name != "pipeline":
+                    pairs = list(zip(runs["pipeline"], runs[name]))
+                    ratio_wall = statistics.median(p[0] / b[0] for p, b in pairs)
+                    ratio_cpu = statistics.median(p[1] / b[1] for p, b in pairs)
+                    line += f"   {ratio_wall:>18.0%} {ratio_cpu:>7.0%}"
+                print(line, flush=True)
+        if 1 in args.workers:
+            for w in args.workers:
+                if w > 1:
+                    print(f"scaling, {w} workers against 1: " + ", ".join(
+                        f"{name} {results[w, name] / results[1, name]:.2f}x" for name in _LOOPS))
         print(f"load average {', '.join(f'{x:.1f}' for x in os.getloadavg())} at the end")
     return 0
 
