@@ -79,6 +79,9 @@ class Plan:
     eval_args: tuple[str, ...] = ("--images", "8192", "--texts", "32768", "--batch", "1024",
                                   "--queries", "50000", "--gallery", "1000000", "--block", "1024")
     timeout: int = 480  # seconds per subprocess
+    # Seconds per part (its subprocesses start only while its time lasts), besides --deadline.
+    part_seconds: tuple[tuple[str, int], ...] = (("step", 900), ("max_batch", 1200), ("levers", 1200),
+                                                 ("torch", 600), ("e2e", 900), ("eval", 600))
 
 
 GPU_PLAN = Plan()
@@ -87,7 +90,7 @@ TINY_PLAN = Plan(config="configs/tiny.py:data=random", per_device_batch=8, sweep
                  torch_steps=1, torch_compile=False, shards=2, per_shard=16, jpeg_size=(64, 48), workers=(1,),
                  log_steps=1, windows=2, eval_args=("--images", "16", "--texts", "32", "--batch", "16",
                                                     "--queries", "64", "--gallery", "500", "--block", "32"),
-                 timeout=600, max_batch_timeout=600)
+                 timeout=600, max_batch_timeout=600, part_seconds=())  # CPU compiles: the subprocess limit only
 
 
 # ------------------------------------------------------------------------------ running things
@@ -97,6 +100,7 @@ class Runner:
     def __init__(self, out: Path, tmp: Path, timeout: int, deadline: float | None):
         self.out, self.tmp, self.timeout = out, tmp, timeout
         self.start, self.deadline = time.monotonic(), deadline
+        self.part_end: float | None = None  # monotonic time at which the current part's time is up
         self.log = open(out / "log.txt", "a")
         self.env = dict(os.environ)
         self.env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), self.env.get("PYTHONPATH")) if p)
@@ -106,7 +110,9 @@ class Runner:
         self.env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
     def left(self) -> float:
-        return float("inf") if self.deadline is None else self.deadline - (time.monotonic() - self.start)
+        now = time.monotonic()
+        plan_left = float("inf") if self.deadline is None else self.deadline - (now - self.start)
+        return min(plan_left, float("inf") if self.part_end is None else self.part_end - now)
 
     def run(self, name: str, argv: list[str], json_out: Path | None = None, xla_flags: str = "",
             timeout: int | None = None) -> dict[str, Any]:
@@ -117,7 +123,7 @@ class Runner:
             env["XLA_FLAGS"] = " ".join(f for f in (env.get("XLA_FLAGS", ""), xla_flags) if f)
         record: dict[str, Any] = {"name": name, "command": self.display(argv, xla_flags)}
         if self.left() < 15:  # nothing worth starting in the last seconds before the deadline
-            return {**record, "status": "not run", "error": "the --deadline was reached"}
+            return {**record, "status": "not run", "error": "the part's time or the --deadline was used up"}
         limit = min(timeout or self.timeout, self.left() - 5)
         self.log.write(f"\n===== {name}: {record['command']}\n")
         self.log.flush()
@@ -494,6 +500,7 @@ def run_plan(plan: Plan, out: Path, parts: tuple[str, ...], deadline: float | No
         save(out, results)
         for part in parts:
             t0 = time.monotonic()
+            r.part_end = t0 + dict(plan.part_seconds).get(part, float("inf"))
             try:
                 step_part = results["parts"].get("step")
                 results["parts"][part] = {
