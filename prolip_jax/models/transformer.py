@@ -52,6 +52,7 @@ ones = jax.nn.initializers.ones
 
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
+SQRT_HALF = 0.5 ** 0.5
 
 
 def gelu(x: jax.Array, act: str) -> jax.Array:
@@ -63,7 +64,10 @@ def gelu(x: jax.Array, act: str) -> jax.Array:
     if act == "gelu_tanh":
         return jax.nn.gelu(x, approximate=True)
     if act == "gelu":
-        return jax.nn.gelu(x, approximate=False)
+        # torch's nn.GELU() formula, x/2 (1 + erf(x/sqrt 2)): jax.nn.gelu(approximate=False) goes
+        # through erfc, whose XLA:CPU expansion (exp + piecewise selects) makes the step slower
+        # (docs/performance.md); the two agree to float32 rounding.
+        return x * 0.5 * (1.0 + jax.lax.erf(x * SQRT_HALF))
     raise ValueError(f"unknown activation {act!r}; choose from {ACTIVATIONS}")
 
 
