@@ -57,6 +57,10 @@ class Config:
     variance_min: float = 0.1
     variance_max: float = 10.0
     variance_bound: Literal["clip", "tanh"] = "clip"
+    # True: the hardest negative (seed 001 eq. 3). False: the sum over negatives (VSE0), the
+    # warm-up that VSE∞ uses before switching; from random towers the hardest negative alone
+    # collapses (scripts/methods_synthetic.py).
+    max_violation: bool = True
 
     def validate(self) -> None:
         if self.margin < 0:
@@ -94,5 +98,6 @@ def loss(out, cfg: Config, *, targets=None, masked=None, masked_rows=None, rng=N
     if il is None or tl is None:
         raise ValueError("objective 'pishdad' needs image and text log-variances (a probabilistic head)")
     positive = None if targets is None else jnp.asarray(targets) > 0
-    value = contrastive.hardest_negative_triplet(similarity(im, il, tm, tl, cfg), positive, cfg.margin)
+    value = contrastive.hardest_negative_triplet(similarity(im, il, tm, tl, cfg), positive, cfg.margin,
+                                                 cfg.max_violation)
     return value, {"triplet": value}

@@ -1,0 +1,37 @@
+"""Every objective learns: the micro towers trained with the real train step on a 16-class
+synthetic set (scripts/methods_synthetic.py, 300 steps of batch 64 on one CPU device) rank the
+held-out images above chance by a wide margin (chance 6.25%; asserted >= 50%). The
+hardest-negative triplets (vse, pishdad) train with the sum over negatives there: with the
+hardest negative alone they stay at chance from random towers (measured: 5.5% and 7.0%).
+
+σ² on ambiguous inputs (blank images, colour-only captions): asserted where the method's paper
+predicts it and this set shows it (ProLIP: a caption true of four classes is more uncertain
+than a full one, paper 002 §4.3); the numbers for every method are in the README's Methods
+section, from `python scripts/methods_synthetic.py`.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from prolip_jax import objectives
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("methods_synthetic", ROOT / "scripts" / "methods_synthetic.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("objective", sorted(objectives.REGISTRY))
+def test_objective_learns_the_synthetic_classes(objective):
+    r = _script().train_and_evaluate(objective, steps=300, seed=0)
+    assert r["zeroshot_top1"] >= 0.5 and r["t2i_R@1"] >= 0.5, r
+    if objective == "prolip":  # training raised the general caption's σ² above the specific ones'
+        key = "colour_only_vs_full_caption_sigma2"
+        assert r[key] > 1.1 and r[key] > r[key + "_at_init"] + 0.1, r
