@@ -169,18 +169,17 @@ def test_train_step_flops_with_a_locked_tower(tiny):
 
 # ------------------------------------------------------------------- XLA's own cost analysis
 def test_forward_against_xla_cost_analysis(tiny):
-    """XLA counts every op, elementwise ones included (LayerNorm, erf-GELU, softmax, adds), so
-    its count exceeds the matmul-only one. Measured ratio: 1.175 for 'tiny' (width 64, where
-    elementwise work is large relative to d^2 matmuls) and 1.016 for B/16 on CPU; the band
-    below fails if a tower's matmuls were miscounted by more than a few percent downwards
-    or ~20% upwards."""
+    """XLA counts every op, elementwise ones included (LayerNorm, GELU, softmax, adds), so its
+    count is at least the matmul-only one. Measured ratio for 'tiny' on CPU: 1.034 since GELU
+    uses erf (one op in XLA's count; 1.175 with jax.nn.gelu's erfc expansion), 1.016 for B/16.
+    The band fails if a tower's matmuls were overcounted at all or undercounted by ~20%."""
     cfg, model, params = tiny
     images, tokens = dummy_inputs(cfg, batch=4)
     compiled = jax.jit(lambda p, i, t: model.apply({"params": p}, i, t)).lower(params, images, tokens).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     ratio = cost["flops"] / flops.forward_flops(cfg, 4)
-    assert 1.10 < ratio < 1.25, ratio
+    assert 1.0 < ratio < 1.25, ratio
 
 
 # -------------------------------------------------------------------------------- peaks, MFU

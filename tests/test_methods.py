@@ -66,8 +66,8 @@ def test_bad_combinations_stop_before_compiling():
     config.targets.mix_fraction = 0.25  # MSDA's soft labels cannot enter a triplet loss
     with pytest.raises(ValueError, match="MSDA.*'vse' cannot take"):
         train.validate(config, mesh, train.model_config(config))
-    _, config = methods_config("method=pishdad")
-    config.model.vision = {"embed_unc": False}  # a mu-only image tower: no sigma^2 for the KL
+    _, config = methods_config("method=pcme")
+    config.model.vision = {"embed_unc": False}  # a mu-only image tower: no sigma^2 to sample
     config.model.text = {"embed_unc": False, "pool": "last"}
     with pytest.raises(ValueError, match="needs log sigma"):
         train.validate(config, mesh, train.model_config(config))
