@@ -28,7 +28,13 @@ def _script():
     return module
 
 
-@pytest.mark.parametrize("objective", sorted(objectives.REGISTRY))
+# The ranking-based objectives (DAA on PCME / VSE, Smooth-AP: sigmoid-relaxed ranks over every
+# pair of pairs) take 4-5 minutes each for these 300 steps on 2 CPU cores, which the CI budget
+# cannot hold; `python scripts/methods_synthetic.py --objectives pcme_daa vse_daa smooth_ap` runs them.
+SLOW_ON_CPU = ("pcme_daa", "vse_daa", "smooth_ap")
+
+
+@pytest.mark.parametrize("objective", sorted(set(objectives.REGISTRY) - set(SLOW_ON_CPU)))
 def test_objective_learns_the_synthetic_classes(objective):
     r = _script().train_and_evaluate(objective, steps=300, seed=0)
     assert r["zeroshot_top1"] >= 0.5 and r["t2i_R@1"] >= 0.5, r
