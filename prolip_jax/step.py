@@ -198,6 +198,7 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
     g = cfg.masking.group
     m_group = cfg.masked_group_rows  # 0 unless the objective uses ProLIP's masked forward
     objective, loss_cfg = cfg.module, cfg.loss_config
+    uses_step = getattr(objective, "USES_STEP", False)
     k = cfg.microbatches
     num_patches = model.config.vision.num_patches
     masked_rows = (jnp.arange(global_batch // g)[:, None] * g + jnp.arange(m_group)[None]).reshape(-1)
@@ -217,8 +218,10 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
     def loss_from_features(feats, mfeats, logit_scale, logit_bias, ctx):
         """ctx: what the objective reads besides features: tokens, targets, rng (no gradient)."""
         out = {**feats, "logit_scale": jnp.exp(logit_scale), "logit_bias": logit_bias, "text": ctx["text"]}
+        extra = {"step": ctx["step"]} if uses_step else {}
         return objective.loss(out, loss_cfg, targets=ctx["targets"], masked=mfeats,
-                              masked_rows=masked_rows if m_group else None, rng=ctx["rng"], mesh=mesh)
+                              masked_rows=masked_rows if m_group else None, rng=ctx["rng"], mesh=mesh,
+                              **extra)
 
     def grads_one_batch(train, frozen, images, tokens, m_images, m_tokens, keep_idx, ctx):
         rng_full, rng_masked = jax.random.split(ctx["rng_augment"])
@@ -271,7 +274,8 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
         rng_img, rng_txt, rng_mix, rng_loss = jax.random.split(rng_step, 4)
         rng_aug = jax.random.fold_in(rng_step, 1)  # apart from the split: earlier draws unchanged
         images, targets = batch_targets(rng_mix, images, tokens, batch.get("image_id"), cfg.targets)
-        ctx = {"text": tokens, "targets": targets, "rng": rng_loss, "rng_augment": rng_aug}
+        ctx = {"text": tokens, "targets": targets, "rng": rng_loss, "rng_augment": rng_aug,
+               "step": state.step}
         mk = cfg.masking
         m_images = group_rows(images, g, m_group)
         m_tokens = mask_text_tokens(rng_txt, group_rows(tokens, g, m_group), mk.mask_token_id,

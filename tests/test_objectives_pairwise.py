@@ -329,6 +329,19 @@ def test_clip_and_vse_match_reference(kind):
                     _ref_hinge(f["image_mean"] @ f["text_mean"].T, pos, 0.5, hardest)) < RTOL
 
 
+@pytest.mark.parametrize("name", ["vse", "pishdad"])
+def test_triplet_sum_warmup_then_hardest(name):
+    """VSE∞'s warm-up: sum over negatives while step < sum_warmup_steps, the hardest after (jitted,
+    the step traced as the train step passes it)."""
+    o, obj = _out(), objectives.get(name)
+    cfg = obj.Config(sum_warmup_steps=5)
+    loss = jax.jit(lambda step: obj.loss(_j(o), cfg, step=step)[0])
+    for step, hardest in ((0, False), (4, False), (5, True), (100, True)):
+        want = obj.loss(_j(o), obj.Config(max_violation=hardest))[0]
+        assert _rel(loss(jnp.int32(step)), want) < RTOL, (step, hardest)
+    assert _rel(loss(jnp.int32(0)), obj.loss(_j(o), cfg)[0]) > 1e-3  # no step given: the hardest
+
+
 @pytest.mark.parametrize("kind", [None, "multi", "msda"])
 def test_siglip_matches_reference(kind):
     o = _out()
@@ -419,6 +432,7 @@ def test_registered_with_the_contract(name):
     ("pcmepp", {"pp_alpha": -0.1}, "pp_alpha"),
     ("pishdad", {"variance_min": 20.0}, "variance_min"),
     ("vse", {"margin": -0.2}, "margin"),
+    ("vse", {"sum_warmup_steps": -1}, "sum_warmup_steps"),
 ])
 def test_validate_rejects_bad_knobs(name, knobs, field):
     with pytest.raises(ValueError, match=field):

@@ -119,21 +119,41 @@ siglip = types.SimpleNamespace(Config=SiglipConfig, loss=siglip_loss, NEEDS_LOGV
 @dataclasses.dataclass(frozen=True)
 class VseConfig:
     margin: float = 0.2  # VSE∞'s margin, as configured by PCME++ (seed 003 App. B.2)
-    # True: hardest negative (VSE++). False: VSE0's sum over negatives, which VSE∞ trains with
-    # for its first `vse_mean_warmup_epochs` before switching; scheduling that is the trainer's job.
+    # True: hardest negative (VSE++). False: VSE0's sum over negatives throughout.
     max_violation: bool = True
+    # VSE∞'s warm-up (vse_mean_warmup_epochs in its train.py): the sum over negatives for the
+    # first N training steps, then max_violation's choice. 0: no warm-up.
+    sum_warmup_steps: int = 0
 
     def validate(self) -> None:
         if self.margin < 0:
             raise ValueError(f"config.loss.margin must be >= 0, got {self.margin}")
+        if self.sum_warmup_steps < 0:
+            raise ValueError(f"config.loss.sum_warmup_steps must be >= 0, got {self.sum_warmup_steps}")
 
 
-def vse_loss(out, cfg: VseConfig, *, targets=None, masked=None, masked_rows=None, rng=None, mesh=None):
+def scheduled_triplet(sim: jax.Array, positive: jax.Array | None, margin: float, max_violation: bool,
+                      sum_warmup_steps: int = 0, step: jax.Array | None = None) -> jax.Array:
+    """`hardest_negative_triplet`, with the sum over negatives while step < sum_warmup_steps.
+
+    VSE∞ (its train.py) trains the first epochs with VSE0's sum and then switches to the hardest
+    negative: from random towers every image's hardest caption is the same one and the hardest-
+    negative loss alone stays at chance (scripts/methods_synthetic.py). Both branches are compiled
+    once; lax.cond runs one of them per step."""
+    if not (max_violation and sum_warmup_steps and step is not None):
+        return hardest_negative_triplet(sim, positive, margin, max_violation)
+    return jax.lax.cond(step < sum_warmup_steps,
+                        lambda: hardest_negative_triplet(sim, positive, margin, False),
+                        lambda: hardest_negative_triplet(sim, positive, margin, True))
+
+
+def vse_loss(out, cfg: VseConfig, *, targets=None, masked=None, masked_rows=None, rng=None, mesh=None,
+             step=None):
     sim = out["image_mean"] @ out["text_mean"].T
     positive = None if targets is None else jnp.asarray(targets) > 0
-    value = hardest_negative_triplet(sim, positive, cfg.margin, cfg.max_violation)
+    value = scheduled_triplet(sim, positive, cfg.margin, cfg.max_violation, cfg.sum_warmup_steps, step)
     return value, {"vse": value}
 
 
 vse = types.SimpleNamespace(Config=VseConfig, loss=vse_loss, NEEDS_LOGVAR=False, USES_MASKED=False,
-                            SOFT_TARGETS=False)
+                            SOFT_TARGETS=False, USES_STEP=True)

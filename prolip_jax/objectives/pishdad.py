@@ -43,6 +43,7 @@ from prolip_jax.objectives import contrastive, distances
 NEEDS_LOGVAR = True
 USES_MASKED = False
 SOFT_TARGETS = False
+USES_STEP = True  # sum_warmup_steps
 
 _DIST = {"kl": distances.kl, "kl_reverse": distances.kl_reverse, "min_kl": distances.min_kl}
 
@@ -61,10 +62,15 @@ class Config:
     # warm-up that VSE∞ uses before switching; from random towers the hardest negative alone
     # collapses (scripts/methods_synthetic.py).
     max_violation: bool = True
+    # VSE∞'s warm-up on the authors' VSE++ / VSRN code bases: the sum over negatives for the
+    # first N steps, then max_violation's choice (contrastive.scheduled_triplet). 0: none.
+    sum_warmup_steps: int = 0
 
     def validate(self) -> None:
         if self.margin < 0:
             raise ValueError(f"config.loss.margin must be >= 0, got {self.margin}")
+        if self.sum_warmup_steps < 0:
+            raise ValueError(f"config.loss.sum_warmup_steps must be >= 0, got {self.sum_warmup_steps}")
         if not 0 < self.variance_min < self.variance_max:
             raise ValueError(f"config.loss.variance_min must be in (0, variance_max={self.variance_max}), "
                              f"got {self.variance_min}")
@@ -93,11 +99,11 @@ def similarity(im, il, tm, tl, cfg: Config) -> jax.Array:
     return -_DIST[cfg.similarity](im, il, tm, tl)
 
 
-def loss(out, cfg: Config, *, targets=None, masked=None, masked_rows=None, rng=None, mesh=None):
+def loss(out, cfg: Config, *, targets=None, masked=None, masked_rows=None, rng=None, mesh=None, step=None):
     im, il, tm, tl = out["image_mean"], out.get("image_logvar"), out["text_mean"], out.get("text_logvar")
     if il is None or tl is None:
         raise ValueError("objective 'pishdad' needs image and text log-variances (a probabilistic head)")
     positive = None if targets is None else jnp.asarray(targets) > 0
-    value = contrastive.hardest_negative_triplet(similarity(im, il, tm, tl, cfg), positive, cfg.margin,
-                                                 cfg.max_violation)
+    value = contrastive.scheduled_triplet(similarity(im, il, tm, tl, cfg), positive, cfg.margin,
+                                          cfg.max_violation, cfg.sum_warmup_steps, step)
     return value, {"triplet": value}
