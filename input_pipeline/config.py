@@ -10,7 +10,21 @@ from typing import Any, Mapping, Sequence
 
 from input_pipeline import transforms
 
-SOURCES = ("array_record", "tar", "tfds", "demo")
+# Caption datasets with several captions per image (captions.py).
+CAPTION_SOURCES = ("coco_karpathy", "flickr30k", "cub")
+SOURCES = ("array_record", "tar", "tfds", "demo", *CAPTION_SOURCES)
+# Split names per caption source. CUB: <split>classes.txt as PCME ships them
+# (naver-ai/pcme datasets/annotations/cub: trainval/test = Xian et al.'s 150/50 classes, and
+# three train/val folds of trainval).
+CAPTION_SPLITS = {
+    "coco_karpathy": ("train", "restval", "val", "test"),
+    "flickr30k": ("train", "val", "test"),
+    "cub": ("trainval", "test", "train1", "val1", "train2", "val2", "train3", "val3"),
+}
+DEFAULT_SPLITS = {"coco_karpathy": ("train", "restval"), "flickr30k": ("train",),
+                  "cub": ("trainval",)}
+ITERATIONS = ("per_caption", "per_image")
+POSITIVE_LEVELS = ("image", "class")
 IMAGE_DTYPES = ("float32", "uint8")
 
 
@@ -61,6 +75,26 @@ class DataConfig:
     # Train: the share of captions cut at the tokenizer's context length (counted as the stat
     # "truncated") above which a warning is logged, once; None: never warn.
     max_truncated_share: float | None = 0.01
+    # Caption sources (coco_karpathy, flickr30k, cub; input_pipeline/captions.py).
+    caption_file: str = ""              # Karpathy dataset_coco.json / dataset_flickr30k.json
+    image_root: str = ""                # COCO root (<filepath>/<filename>: train2014/...),
+                                        # Flickr30K image folder, or CUB root (images/, text_c10/)
+    splits: Sequence[str] = ()          # of CAPTION_SPLITS; () = DEFAULT_SPLITS: train+restval
+                                        # (COCO, 113,287 images), train (Flickr30K), trainval (CUB)
+    class_split_dir: str = ""           # cub: folder of <split>classes.txt; "" = image_root
+    # The first k captions of each image; None: 5 for COCO (the 5-caption protocol, as the
+    # retrieval evaluator), all otherwise (Flickr30K has 5, CUB 10); 0: all.
+    captions_per_image: int | None = None
+    # per_caption: every (image, caption) pair once per epoch; per_image: every image once per
+    # epoch with a caption drawn from (seed, epoch, image). Both resume exactly.
+    caption_iteration: str = "per_caption"
+    # What batch["image_id"] holds: "image" (the dataset's image id: captions of one image are
+    # positives) or "class" (cub only: DAA seed 004 §5.1.1, all pairs of a class are positives).
+    positive_level: str = "image"
+    # Noisy correspondence (PCME++ seed 003 §3.2, after NCR): the share of training pairs whose
+    # captions are shuffled among themselves (the papers use 0.2 and 0.5); in [0, 1).
+    noise_ratio: float = 0.0
+    noise_seed: int = 0                 # which pairs; apart from `seed` (same noise, any order)
 
     def __post_init__(self):
         if self.source not in SOURCES:
@@ -74,7 +108,7 @@ class DataConfig:
         for name in ("batch_size", "image_size", "shuffle_buffer_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}.")
-        for name in ("num_workers", "read_threads", "seed"):
+        for name in ("num_workers", "read_threads", "seed", "noise_seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"data.{name} must be >= 0, got {getattr(self, name)}.")
         if self.max_truncated_share is not None and not 0 <= self.max_truncated_share <= 1:
@@ -87,7 +121,39 @@ class DataConfig:
                              "brace pattern such as 'shards/{00000..00009}.tar').")
         if self.source == "tfds" and not self.tfds_name:
             raise ValueError("data.source='tfds' needs data.tfds_name, e.g. 'coco_captions'.")
+        self._check_captions()
         self.augment_config()   # validates the augmentation fields
+
+    def _check_captions(self) -> None:
+        if self.caption_iteration not in ITERATIONS:
+            raise ValueError(f"data.caption_iteration must be one of {ITERATIONS}, got "
+                             f"{self.caption_iteration!r}.")
+        if self.positive_level not in POSITIVE_LEVELS:
+            raise ValueError(f"data.positive_level must be one of {POSITIVE_LEVELS}, got "
+                             f"{self.positive_level!r}.")
+        if not 0 <= self.noise_ratio < 1:
+            raise ValueError(f"data.noise_ratio must be in [0, 1), got {self.noise_ratio}.")
+        if self.captions_per_image is not None and self.captions_per_image < 0:
+            raise ValueError(f"data.captions_per_image must be None or >= 0, got "
+                             f"{self.captions_per_image}.")
+        if self.source not in CAPTION_SOURCES:
+            if self.splits or self.noise_ratio or self.positive_level != "image":
+                raise ValueError(f"data.splits, data.noise_ratio and data.positive_level apply "
+                                 f"to the caption sources {CAPTION_SOURCES}, not "
+                                 f"data.source={self.source!r}.")
+            return
+        known = CAPTION_SPLITS[self.source]
+        for split in self.splits:
+            if split not in known:
+                raise ValueError(f"data.splits: unknown split {split!r} for data.source="
+                                 f"{self.source!r}; known: {known}.")
+        if self.positive_level == "class" and self.source != "cub":
+            raise ValueError(f"data.positive_level='class' needs class labels, which only "
+                             f"data.source='cub' has (got {self.source!r}).")
+        need = ("image_root",) if self.source == "cub" else ("caption_file", "image_root")
+        for name in need:
+            if not getattr(self, name):
+                raise ValueError(f"data.source={self.source!r} needs data.{name}.")
 
     @classmethod
     def from_mapping(cls, config: "Mapping[str, Any] | DataConfig") -> "DataConfig":
@@ -103,6 +169,10 @@ class DataConfig:
         for name in ("crop_scale", "crop_ratio", "color_jitter"):
             if name in kwargs:
                 kwargs[name] = tuple(kwargs[name])
+        if isinstance(kwargs.get("splits"), str):   # --config.data.splits=train,restval
+            kwargs["splits"] = tuple(s for s in kwargs["splits"].split(",") if s)
+        elif kwargs.get("splits") is not None:
+            kwargs["splits"] = tuple(kwargs["splits"])
         return cls(**kwargs)
 
     def replace(self, **kwargs: Any) -> "DataConfig":

@@ -30,7 +30,7 @@ from input_pipeline import paths as paths_lib
 from input_pipeline import sources
 from input_pipeline import tar_source
 from input_pipeline import transforms
-from input_pipeline.config import DataConfig
+from input_pipeline.config import CAPTION_SOURCES, DataConfig
 from input_pipeline.decode import DecodeConfig, ExampleDecoder
 from input_pipeline.records import REASON_INDEX, SKIP_REASONS, Skip
 
@@ -137,10 +137,11 @@ class _BatchIterator(grain.DatasetIterator):
             out["_truncated"] = truncated
         if not ds.train:
             out["mask"] = mask
-        if valid and all("label" in r for r in valid):
-            label = np.full((b,), -1, np.int32)
-            label[mask] = [r["label"] for r in valid]
-            out["label"] = label
+        for key in ("label", "image_id"):   # image_id: caption sources (captions.py)
+            if valid and all(key in r for r in valid):
+                ids = np.full((b,), -1, np.int32)   # -1: rows without a record
+                ids[mask] = [r[key] for r in valid]
+                out[key] = ids
         return out
 
     def _array(self, shape: tuple[int, ...], dtype: Any, final: bool) -> np.ndarray:
@@ -397,7 +398,12 @@ def _demo(cfg: DataConfig) -> tuple[Any, str]:
     return demo.get_demo(**kwargs), split
 
 
-def _random_access_source(cfg: DataConfig) -> tuple[Any, sources.ToRaw, list[str]]:
+def _random_access_source(cfg: DataConfig) -> tuple[Any, Callable[[Any], Any], list[str]]:
+    if cfg.source in CAPTION_SOURCES:
+        from input_pipeline import captions
+        src = captions.CaptionSource(captions.load_index(cfg), cfg.caption_iteration,
+                                     cfg.positive_level)
+        return src, captions.ToRaw(), captions.source_spec(cfg)
     if cfg.source == "tfds":
         src = sources.tfds_source(cfg.tfds_name, cfg.tfds_split, cfg.tfds_data_dir)
         return src, sources.ToRaw("tfds", cfg.image_key, cfg.text_key, cfg.label_key), [
@@ -408,6 +414,19 @@ def _random_access_source(cfg: DataConfig) -> tuple[Any, sources.ToRaw, list[str
     else:
         files = paths_lib.expand_paths(cfg.path)
     return sources.array_record_source(files), sources.ToRaw("array_record"), files
+
+
+class _KeepImageId:
+    """The decoder, with the raw record's "image_id" (caption sources) carried past it."""
+
+    def __init__(self, decoder: Callable[[Any], Any]):
+        self.decoder = decoder
+
+    def __call__(self, raw: Any) -> Any:
+        ex = self.decoder(raw)
+        if isinstance(ex, Skip) or raw.get("image_id") is None:
+            return ex
+        return dict(ex, image_id=int(raw["image_id"]))
 
 
 class _Compose:
@@ -431,8 +450,9 @@ def build_dataset(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer |
 
 def _build(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer | None, train: bool,
            process_index: int | None, process_count: int | None
-           ) -> tuple[grain.IterDataset, dict[str, Any], dict[str, int], Any]:
-    """(dataset, fingerprint, host/worker layout, the order dataset that holds the origin)."""
+           ) -> tuple[grain.IterDataset, dict[str, Any], dict[str, int], Any, Any]:
+    """(dataset, fingerprint, host/worker layout, the order dataset that holds the origin,
+    the random-access source or None)."""
     cfg = DataConfig.from_mapping(config)
     h, p = _process_index_count(process_index, process_count)
     if cfg.batch_size % p:
@@ -456,9 +476,10 @@ def _build(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer | None, 
             files, seed=cfg.seed, shuffle=shuffle, process_index=h, process_count=p,
             num_epochs=num_epochs, shuffle_buffer_size=cfg.shuffle_buffer_size)
         ds = order.map(decoder)
-        size = None
+        size = src = None
     else:
         src, to_raw, files = _random_access_source(cfg)
+        decoder = _KeepImageId(decoder)
         size = len(src)
         if train:
             ds = order = sources.EpochOrderDataset(
@@ -482,7 +503,7 @@ def _build(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer | None, 
         "seed": cfg.seed, "shuffle": shuffle, "batch_size": cfg.batch_size,
         "shuffle_buffer_size": cfg.shuffle_buffer_size if cfg.source == "tar" else None}
     layout = {"process_index": h, "process_count": p, "num_workers": cfg.num_workers}
-    return ds, fingerprint, layout, order
+    return ds, fingerprint, layout, order, src
 
 
 def _digest(files: Sequence[str]) -> str:
@@ -506,13 +527,20 @@ def build_train_iterator(config: Mapping[str, Any] | DataConfig,
     when every record has one). process_index/count default to jax's.
 
     Batches are always full: dropped records are replaced by the next ones. With a finite
-    `num_epochs` the last partial batch of each worker is dropped."""
+    `num_epochs` the last partial batch of each worker is dropped.
+
+    Caption sources (coco_karpathy, flickr30k, cub) add "image_id" int32 [B/P] (equal ids:
+    positives) and the iterator's `caption_index` (captions.CaptionIndex; None otherwise),
+    whose noisy pairs captions.write_noisy_pairs records."""
     cfg = DataConfig.from_mapping(config)
     tokenizer = resolve_tokenizer(cfg, tokenizer)
-    ds, fingerprint, layout, order = _build(cfg, tokenizer, True, process_index, process_count)
-    return InputIterator(ds.__iter__(), fingerprint, layout, ds, order,
-                         max_truncated_share=cfg.max_truncated_share,
-                         context_length=getattr(tokenizer, "context_length", None))
+    ds, fingerprint, layout, order, src = _build(cfg, tokenizer, True, process_index,
+                                                 process_count)
+    it = InputIterator(ds.__iter__(), fingerprint, layout, ds, order,
+                       max_truncated_share=cfg.max_truncated_share,
+                       context_length=getattr(tokenizer, "context_length", None))
+    it.caption_index = getattr(src, "index", None)
+    return it
 
 
 def build_eval_iterator(config: Mapping[str, Any] | DataConfig,
@@ -533,7 +561,7 @@ def build_eval_iterator(config: Mapping[str, Any] | DataConfig,
     if source is not None:
         return _eval_iterator_from(source, DataConfig.from_mapping(config), tokenizer,
                                    *_process_index_count(process_index, process_count))
-    ds, fingerprint, layout, _ = _build(config, tokenizer, False, process_index, process_count)
+    ds, fingerprint, layout, *_ = _build(config, tokenizer, False, process_index, process_count)
     return InputIterator(ds.__iter__(), fingerprint, layout)
 
 

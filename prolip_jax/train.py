@@ -313,6 +313,11 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
     # ---- Checkpoints: resume if the workdir has one -------------------------------------
     # Only now, with the config and the data checked, does the workdir come into being.
     workdir.mkdir(parents=True, exist_ok=True)
+    caption_index = getattr(data, "caption_index", None)  # caption sources (input_pipeline/captions.py)
+    if is_chief and caption_index is not None and caption_index.noise_ratio > 0:
+        from input_pipeline.captions import write_noisy_pairs
+
+        write_noisy_pairs(caption_index, workdir / "noisy_pairs.json")  # which pairs data.noise_ratio corrupted
     mngr = ocp.CheckpointManager(
         ckpt_dir,
         options=ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True,
