@@ -19,12 +19,12 @@ Paper hyper-parameters (for the real-scale recipes; the demo keeps its own optim
 | ProLIP   | prolip      | 002 §3                        | 10, -10    | beta 1e-4, alpha1 1e-7, alpha2 1e-3, eps -20, c 1000  |
 | PCME++   | pcmepp      | 003 §2, Table B.1             | 5, 5       | alpha (PP) 0.1, beta 1e-4, smoothing 1e-4, MSDA 25%   |
 | PCME     | pcme        | PCME (CVPR'21); 004 §3         | 15, 15     | J = 5 samples (DAA's config), VIB 1e-5                |
-| Pishdad  | pishdad     | 001 §3.2                      | -          | triplet margin 0.2, -W2 similarity, var in [0.1, 10]  |
+| Pishdad  | pishdad     | 001 §3.2                      | -          | triplet margin 0.2, -W2 similarity, var in [0.1, 10]; VSE∞ warm-up |
 | DAA      | pcme_daa    | 004 §4.2 (DAA.py)             | 15, 15     | daa_beta 1000, tau 0.01, VIB 1e-5                     |
 | SmoothAP | smooth_ap   | 004 Table 4 baseline          | 15, 15     | ap_beta 1000, tau 0.01                                |
 | CLIP     | clip        | open_clip                     | 1/0.07     | InfoNCE, learnable temperature                        |
 | SigLIP   | siglip      | big_vision                    | 10, -10    | sigmoid loss                                          |
-| VSE∞     | vse         | VSE∞ (CVPR'21)                | -          | hardest-negative triplet, margin 0.2                  |
+| VSE∞     | vse         | VSE∞ (CVPR'21)                | -          | hardest-negative triplet, margin 0.2, 1 epoch of sum  |
 
 Towers: PCME++ and Pishdad et al. get their own uncertainty heads on the tiny towers
 (`tiny_pcmepp`: the last block duplicated for log sigma^2, GPO pooling, SizeAugment 0.2 with the
@@ -42,18 +42,21 @@ from prolip_jax import config_args
 # Config fields (prolip_jax/objectives/<objective>.py); what is not set takes its default.
 # Model overrides are `config.model` fields (prolip_jax/train.py ModelOptions).
 DEMO_MASK_ID = 2  # the demo tokenizer's [MASK] (configs/demo.py masking.mask_token_id)
+# VSE∞'s triplet warm-up (vse_mean_warmup_epochs = 1): one pass over the demo's 20,000 training
+# images at batch 128.
+DEMO_EPOCH = 157
 METHODS = {
     "prolip": ("prolip", dict(vib_beta=0.1, alpha_image_text=1e-3), {}, {}),
     "pcmepp": ("pcmepp", dict(pp_alpha=0.1, vib_beta=1e-4),
                dict(variant="tiny_pcmepp", text={"size_augment_mask_id": DEMO_MASK_ID},
                     init_logit_scale=math.log(5.0), init_logit_bias=5.0), dict(mix_fraction=0.25)),
     "pcme": ("pcme", dict(), dict(init_logit_scale=math.log(15.0), init_logit_bias=15.0), {}),
-    "pishdad": ("pishdad", dict(), dict(variant="tiny_pishdad"), {}),
+    "pishdad": ("pishdad", dict(sum_warmup_steps=DEMO_EPOCH), dict(variant="tiny_pishdad"), {}),
     "pcme_daa": ("pcme_daa", dict(), dict(init_logit_scale=math.log(15.0), init_logit_bias=15.0), {}),
     "smooth_ap": ("smooth_ap", dict(), dict(init_logit_scale=math.log(15.0), init_logit_bias=15.0), {}),
     "clip": ("clip", dict(), dict(init_logit_scale=math.log(1 / 0.07)), {}),
     "siglip": ("siglip", dict(), {}, {}),
-    "vse": ("vse", dict(), {}, {}),
+    "vse": ("vse", dict(sum_warmup_steps=DEMO_EPOCH), {}, {}),
 }
 
 
