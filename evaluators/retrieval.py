@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 KS = (1, 5, 10)
 _PAD = np.iinfo(np.int64).max // 2   # rank of a padding "positive": never < any K or R
 _WARNED: set[tuple[str, str]] = set()   # (data set, direction) without same-modality positives
+_MANY_POSITIVES = 32   # above this many positives per query, rank by one full sort per row
 
 
 # =====================================================================================
@@ -52,6 +53,11 @@ def positive_ranks(scores: np.ndarray, positives: np.ndarray) -> np.ndarray:
     scores = np.asarray(scores)
     positives = np.asarray(positives, np.int64)
     q, m = scores.shape
+    if positives.shape[1] > _MANY_POSITIVES:   # class-level positives (CUB): one sort per row
+        full = full_ranks(scores)
+        valid = positives >= 0
+        got = np.take_along_axis(full, np.where(valid, positives, 0), 1)
+        return np.where(valid, got, _PAD).astype(np.int64)
     ranks = np.full(positives.shape, _PAD, np.int64)
     cols = np.arange(m)[None, :]
     rows = np.arange(q)
@@ -61,6 +67,17 @@ def positive_ranks(scores: np.ndarray, positives: np.ndarray) -> np.ndarray:
         sp = scores[rows, np.where(valid, pos, 0)][:, None]
         r = (scores > sp).sum(1) + ((scores == sp) & (cols < pos[:, None])).sum(1)
         ranks[:, j] = np.where(valid, r, _PAD)
+    return ranks
+
+
+def full_ranks(scores: np.ndarray) -> np.ndarray:
+    """int64 [Q, M]: the 0-based rank of EVERY gallery item in each query's ranking, with
+    positive_ranks' tie rule (the inverse permutation of `np.argsort(-scores, kind="stable")`).
+    For metrics over the whole gallery (PMRP, ASP: evaluators/caption_metrics.py)."""
+    scores = np.asarray(scores)
+    order = np.argsort(-scores, axis=1, kind="stable")
+    ranks = np.empty(order.shape, np.int64)
+    np.put_along_axis(ranks, order, np.arange(scores.shape[1])[None, :], 1)
     return ranks
 
 
@@ -88,10 +105,17 @@ def recall_at_k(ranks: np.ndarray, k: int) -> float:
     return 100.0 * float(np.mean(np.min(ranks, 1) < k))
 
 
+def r_precision_per_query(ranks: np.ndarray) -> np.ndarray:
+    """float64 [Q]: |top-R ∩ positives| / R per query, R = the query's number of positives
+    (nan for a query without one)."""
+    r = num_positives(ranks)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (np.asarray(ranks) < r[:, None]).sum(1) / r
+
+
 def r_precision(ranks: np.ndarray) -> float:
     """% mean over queries of |top-R ∩ positives| / R, R = the query's number of positives."""
-    r = num_positives(ranks)
-    return 100.0 * float(np.mean((ranks < r[:, None]).sum(1) / r))
+    return 100.0 * float(np.mean(r_precision_per_query(ranks)))
 
 
 def map_at_r(ranks: np.ndarray) -> float:
@@ -117,22 +141,37 @@ def ranking_metrics(i2t_ranks: np.ndarray, t2i_ranks: np.ndarray,
     return out
 
 
+def pearson(x: np.ndarray, y: np.ndarray) -> float:
+    """Pearson correlation of two equal-length vectors; 0.0 (not nan) when either is constant
+    or has fewer than 2 entries."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    if len(x) < 2 or np.std(x) == 0 or np.std(y) == 0:
+        return 0.0
+    return float(np.corrcoef(x, y)[0, 1])
+
+
 def binned_ranking(ranks: np.ndarray, unc: np.ndarray, bins: int = 10) -> dict[str, float]:
     """R@1 and mAP@R (%) of the queries in `bins` equal-count bins of increasing query
-    uncertainty, and the Pearson correlation of bin index with each (the reference's
-    `eval_ret_unc`, REFERENCE §3.3; negative = uncertain queries are retrieved worse).
-    Names: unc_bin{i}_R1, unc_bin{i}_map_at_r, unc_corr_R1, unc_corr_map_at_r."""
+    uncertainty, and two bin-level Pearson correlations with each:
+      unc_corr_*: with the bin index (the reference's `eval_ret_unc`, REFERENCE §3.3);
+      unc_rho_*:  with the bin's mean uncertainty -- PCME++ (seed 003) Fig. 3 / Table C.5's rho
+                  ("the correlation coefficient between the uncertainty and the average R@1";
+                  the bin-level Pearson reading, SEEDS_NOTES §1.10; -1 is ideal).
+    Negative = uncertain queries are retrieved worse.
+    Names: unc_bin{i}_R1, unc_bin{i}_map_at_r, unc_corr_{R1,map_at_r}, unc_rho_{R1,map_at_r}."""
     if len(ranks) == 0:
         raise ValueError("binned_ranking needs at least one query")
+    unc = np.asarray(unc, np.float64)
     bins = min(bins, len(ranks))      # no empty bins
     groups = np.array_split(np.argsort(unc, kind="stable"), bins)
+    mean_unc = np.array([unc[g].mean() for g in groups])
     out: dict[str, float] = {}
     for metric, fn in (("R1", lambda r: recall_at_k(r, 1)), ("map_at_r", map_at_r)):
         values = np.array([fn(ranks[g]) for g in groups])
         for i, v in enumerate(values):
             out[f"unc_bin{i}_{metric}"] = float(v)
-        out[f"unc_corr_{metric}"] = (0.0 if bins < 2 or np.std(values) == 0 else
-                                     float(np.corrcoef(np.arange(bins), values)[0, 1]))
+        out[f"unc_corr_{metric}"] = pearson(np.arange(bins), values)
+        out[f"unc_rho_{metric}"] = pearson(mean_unc, values)
     return out
 
 
@@ -171,11 +210,14 @@ def pad_positives(lists: Sequence[Sequence[int]]) -> np.ndarray:
 
 def blocked_ranks(q_mu: np.ndarray, q_lv: np.ndarray, g_mu: np.ndarray, g_lv: np.ndarray,
                   positives: np.ndarray, kind: str = "csd", block: int = 1024, topk: int = 0,
-                  exclude: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+                  exclude: np.ndarray | None = None,
+                  extras: Sequence[Callable[[np.ndarray, int], Any]] = ()
+                  ) -> tuple[np.ndarray, np.ndarray | None]:
     """positive_ranks (and top_indices when topk > 0) of queries [Q, D] against a gallery
     [M, D], computed block by block on the devices: only [Q, P] (+ [Q, topk]) is kept.
     exclude: int [Q], a gallery item left out of each query's ranking (the query itself in
-    same-modality retrieval)."""
+    same-modality retrieval). extras: more reductions `fn(scores [b, M], start)` of the same
+    score blocks (PMRP, ASP: evaluators/caption_metrics.py), so the scores are computed once."""
     ranks = np.empty(positives.shape, np.int64)
     tops = np.empty((len(q_mu), min(topk, len(g_mu))), np.int64) if topk else None
 
@@ -186,6 +228,8 @@ def blocked_ranks(q_mu: np.ndarray, q_lv: np.ndarray, g_mu: np.ndarray, g_lv: np
         ranks[start:start + len(s)] = positive_ranks(s, positives[start:start + len(s)])
         if tops is not None:
             tops[start:start + len(s)] = top_indices(s, topk)
+        for fn in extras:
+            fn(s, start)
 
     for _ in blocked_scores(q_mu, q_lv, g_mu, g_lv, kind=kind, block=block, reduce=reduce):
         pass
@@ -205,7 +249,13 @@ def load_data(config: Mapping[str, Any]) -> EvalSet:
                 raise ValueError(f"retrieval evaluator: dataset='karpathy' needs {key!r}")
         data = eval_data.karpathy(_get(c, "karpathy_json"), _get(c, "image_root"),
                                   _get(c, "split", "test"), _get(c, "captions_per_image"),
-                                  tuple(_get(c, "coco_annotations", ()) or ()))
+                                  paths(_get(c, "coco_annotations", ())))
+    elif kind == "cub":
+        for key in ("image_root", "caption_root", "classes"):
+            if not _get(c, key):
+                raise ValueError(f"retrieval evaluator: dataset='cub' needs {key!r}")
+        data = eval_data.cub_captions(_get(c, "image_root"), _get(c, "caption_root"),
+                                      _get(c, "classes"))
     elif kind == "tfds":
         data = eval_data.tfds_captions(_get(c, "tfds_name", "coco_captions"),
                                        _get(c, "split", "test"), _get(c, "data_dir"))
@@ -216,10 +266,17 @@ def load_data(config: Mapping[str, Any]) -> EvalSet:
         data = eval_data.image_text_tars(_get(c, "path"), limit=int(_get(c, "num_images", 0)))
     else:
         raise ValueError(f"retrieval evaluator: unknown dataset {kind!r}; "
-                         "use 'demo', 'karpathy', 'tfds' or 'tar'")
+                         "use 'demo', 'karpathy', 'cub', 'tfds' or 'tar'")
     if _get(c, "name"):
         data.name = _get(c, "name")
     return data
+
+
+def paths(value: Any) -> tuple[str, ...]:
+    """A list of file paths from a sequence or a comma-separated string ("" -> ())."""
+    if isinstance(value, str):
+        return tuple(p.strip() for p in value.split(",") if p.strip())
+    return tuple(str(p) for p in (value or ()) if str(p))
 
 
 # =====================================================================================
@@ -229,10 +286,12 @@ class Evaluator:
     """Retrieval evaluator; `run(params)` yields ("retrieval/<name>/<score>/<metric>", value).
 
     Config keys:
-      dataset: "demo" | "karpathy" | "tfds" | "tar".
+      dataset: "demo" | "karpathy" | "cub" | "tfds" | "tar".
         demo: demo=dict(cache_dir=..., <DemoConfig fields>).
         karpathy: karpathy_json, image_root, split ("test"), captions_per_image (5 for COCO),
           coco_annotations (captions_*2014.json paths, optional: real caption ids).
+        cub: image_root (CUB_200_2011/images), caption_root (text_c10), classes (a class-folder
+          list, e.g. testclasses.txt); use with positives="class".
         tfds: tfds_name ("coco_captions"), split ("test"), data_dir.
         tar: path (tar shards in the training layout, <key>.<image> + <key>.txt; one caption
           per image), num_images (0 = all).
@@ -251,13 +310,26 @@ class Evaluator:
       same_modality: ("i2i", "t2t") -- image->image and text->text retrieval (positives:
         `same_modality_positives`; the query is left out of its own gallery). Queries without
         a positive are skipped; when no query has one, a warning says so and nothing is yielded.
+      positives: "caption" (an image's own captions) | "class" (every pair of the same class,
+        data.info["class_ids"]; CUB's protocol) -- for all cross-modal metrics.
+      instances: COCO instances_*2014.json path(s) (a sequence or comma-separated) -> PMRP
+        (evaluators/caption_metrics.py) on every protocol (5K, 1K); needs COCO image ids. Not
+        set on a COCO set: skipped with one warning. pmrp_zetas: (0, 1, 2);
+        pmrp_unannotated: "drop" (PCME's script) | "zero" (images without instances).
+      asp: False -- ASP with the TF-IDF semantic score (evaluators/caption_metrics.py) on every
+        protocol; asp_captions_per_image: 5 (P of DAA Eq. 7).
     Metric names (values in %; rsum is a sum of six %):
       <prefix>/{i2t,t2i}_R@{1,5,10}, rsum, {i2t,t2i}_rprecision, {i2t,t2i}_map_at_r, where
       prefix = retrieval/<name>/<score> (or .../5k and .../1k for COCO);
       retrieval/<name>/<score>/eccv/{i2t,t2i,mean}_{r1,map_at_r,rprecision};
       retrieval/<name>/<score>/cxc/{i2t,t2i}_R@{1,5,10};
-      <prefix>/{i2t,t2i}/unc_bin{0..B-1}_{R1,map_at_r}, {i2t,t2i}/unc_corr_{R1,map_at_r}
-        (bin 0 = least uncertain queries; full set: .../5k/... for COCO);
+      <prefix>/{i2t,t2i}_pmrp, {i2t,t2i}_pmrp_zeta{0,1,2} (with instances);
+      <prefix>/{i2t,t2i}_asp_tfidf (with asp);
+      <prefix>/{i2t,t2i}/unc_bin{0..B-1}_{R1,map_at_r}, {i2t,t2i}/unc_corr_{R1,map_at_r},
+        {i2t,t2i}/unc_rho_{R1,map_at_r} (bin 0 = least uncertain queries; corr: with the bin
+        index, rho: with the bin's mean sigma^2, PCME++ Table C.5; .../5k/... for COCO on the
+        full set, and .../1k/... on the queries of the folds ranked within their fold, the
+        R@1 of PCME++ Fig. 3);
       <prefix>/{i2i,t2t}_R@{1,5,10}, {i2i,t2t}_rprecision, {i2i,t2t}_map_at_r,
         {i2i,t2t}_num_queries (those with >= 1 positive), and with unc_bins {i2i,t2t}/unc_bin...
     """
@@ -271,6 +343,9 @@ class Evaluator:
         self.scores = tuple(_get(config, "scores", ("csd", "dot")))
         self.ks = tuple(int(k) for k in _get(config, "ks", KS))
         self.block = int(_get(config, "block", 1024))
+        self.positives = _get(config, "positives", "caption")
+        if self.positives not in ("caption", "class"):
+            raise ValueError(f"retrieval evaluator: positives={self.positives!r}; use 'caption' or 'class'")
         self.threads = int(_get(config, "num_threads", 8))
         self.encoder = Encoder(model, int(_get(config, "batch_size", 256)),
                                _get(config, "normalization", "openai"))
@@ -307,14 +382,87 @@ class Evaluator:
 
     # ---- metrics ----------------------------------------------------------------------
     def _protocol(self, i_mu, i_lv, t_mu, t_lv, cap_img: np.ndarray, kind: str,
-                  topk: int = 0) -> tuple[dict[str, float], Any, tuple[np.ndarray, np.ndarray]]:
+                  topk: int = 0, images: Any = None, caps: Any = None
+                  ) -> tuple[dict[str, float], Any, tuple[np.ndarray, np.ndarray]]:
         """Metrics of one image set with its captions (cap_img: int [M] into the images),
-        the top-k lists and the positives' ranks (i2t, t2i)."""
-        i2t_pos = pad_positives([np.flatnonzero(cap_img == i) for i in range(len(i_mu))])
-        i2t, i2t_top = blocked_ranks(i_mu, i_lv, t_mu, t_lv, i2t_pos, kind, self.block, topk)
-        t2i, t2i_top = blocked_ranks(t_mu, t_lv, i_mu, i_lv, cap_img[:, None], kind, self.block,
-                                     topk)
-        return ranking_metrics(i2t, t2i, self.ks), (i2t_top, t2i_top), (i2t, t2i)
+        the top-k lists and the positives' ranks (i2t, t2i). images / caps: the set's rows in
+        the full data (slice / indices; None = all), for the per-item extras (PMRP, ASP)."""
+        if self.positives == "class":
+            i2t_pos, t2i_pos = caption_metrics().class_positives(
+                self._class_ids[_all(images)], cap_img)
+        else:
+            i2t_pos = pad_positives([np.flatnonzero(cap_img == i) for i in range(len(i_mu))])
+            t2i_pos = cap_img[:, None]
+        extras, finish = self._extras(_all(images), _all(caps), cap_img)
+        i2t, i2t_top = blocked_ranks(i_mu, i_lv, t_mu, t_lv, i2t_pos, kind, self.block, topk,
+                                     extras=extras["i2t"])
+        t2i, t2i_top = blocked_ranks(t_mu, t_lv, i_mu, i_lv, t2i_pos, kind, self.block,
+                                     topk, extras=extras["t2i"])
+        metrics = ranking_metrics(i2t, t2i, self.ks)
+        metrics.update(finish())
+        return metrics, (i2t_top, t2i_top), (i2t, t2i)
+
+    # ---- PMRP / ASP / class positives: per-item data of the whole set, sliced per protocol --
+    def _prepare(self, data: EvalSet) -> None:
+        """Category codes (PMRP), TF-IDF vectors (ASP) and class ids of the whole set."""
+        cm = caption_metrics()
+        c = self.config
+        self._class_ids = self._codes = self._tfidf = None
+        if self.positives == "class":
+            if data.info.get("class_ids") is None:
+                raise ValueError(f"retrieval/{data.name}: positives='class' needs class ids "
+                                 "(dataset='cub')")
+            self._class_ids = np.asarray(data.info["class_ids"])
+        files = paths(_get(c, "instances", ()))
+        if files:
+            if data.info.get("image_ids") is None:
+                raise ValueError(f"retrieval/{data.name}: PMRP (instances=...) needs COCO image "
+                                 "ids (a COCO Karpathy or tfds set)")
+            codes, annotated = eval_data.coco_category_codes(files, data.info["image_ids"])
+            rule = _get(c, "pmrp_unannotated", "drop")
+            if rule not in ("drop", "zero"):
+                raise ValueError(f"retrieval evaluator: pmrp_unannotated={rule!r}; use 'drop' or 'zero'")
+            if not annotated.all():
+                log.info("retrieval/%s: %d of %d images have no instance annotation (PMRP: %s)",
+                         data.name, int((~annotated).sum()), len(annotated), rule)
+            self._codes = (codes, annotated if rule == "drop" else np.ones(len(codes), bool))
+        elif data.name == "coco" and (data.name, "pmrp") not in _WARNED:
+            _WARNED.add((data.name, "pmrp"))
+            log.warning("retrieval/coco: PMRP skipped: no COCO instances file named "
+                        "(config instances=.../instances_val2014.json)")
+        if _get(c, "asp", False):
+            vectors = cm.tfidf_vectors(data.captions)
+            cap_img = np.asarray(data.caption_record, np.int64)
+            gt = cm.ground_truth_mean(vectors, cap_img, len(data),
+                                      int(_get(c, "asp_captions_per_image", 5)))
+            self._tfidf = (vectors, gt)
+
+    def _extras(self, images: np.ndarray, caps: np.ndarray, cap_img: np.ndarray
+                ) -> tuple[dict[str, list], Callable[[], dict[str, float]]]:
+        """blocked_ranks extras of one protocol (images, caps: its rows in the whole set)."""
+        cm = caption_metrics()
+        extras: dict[str, list] = {"i2t": [], "t2i": []}
+        done: list[tuple[str, Any]] = []
+        if getattr(self, "_codes", None) is not None:
+            codes, keep = self._codes
+            zetas = tuple(_get(self.config, "pmrp_zetas", cm.PMRP_ZETAS))
+            ic, ik = codes[images], keep[images]
+            tc, tk = ic[cap_img], ik[cap_img]
+            for d, acc in (("i2t", cm.PMRP(ic, tc, zetas, ik, tk)), ("t2i", cm.PMRP(tc, ic, zetas, tk, ik))):
+                extras[d].append(acc)
+                done.append((d, acc))
+        if getattr(self, "_tfidf", None) is not None:
+            vectors, gt = self._tfidf
+            for d, acc in zip(("i2t", "t2i"), cm.asp_pair(vectors[caps], gt[images])):
+                extras[d].append(acc)
+                done.append((d, acc))
+
+        def finish() -> dict[str, float]:
+            out: dict[str, float] = {}
+            for d, acc in done:
+                out.update(acc.result(d))
+            return out
+        return extras, finish
 
     def _uncertainty_aware(self, data: EvalSet, i_mu, i_lv, t_mu, t_lv, cap_img: np.ndarray,
                            kind: str, ranks: tuple[np.ndarray, np.ndarray]
@@ -357,6 +505,20 @@ class Evaluator:
                 for k, v in binned_ranking(r, uncertainty(lv[has]), bins).items():
                     yield f"{d}/{k}", v
 
+    def _fold_bins(self, fold_ranks: list, i_lv, t_lv) -> Iterator[tuple[str, float]]:
+        """Recall per query-uncertainty bin over the queries of all folds, each ranked within
+        its fold (COCO 1K R@1 per bin: PCME++ seed 003 Fig. 3, rho of Table C.5)."""
+        bins = int(_get(self.config, "unc_bins", 10))
+        if not bins or i_lv is None or t_lv is None:
+            return
+        for d, j, lv in (("i2t", 0, i_lv), ("t2i", 1, t_lv)):
+            rows = np.concatenate([fr[j] for fr in fold_ranks])
+            width = max(fr[2][j].shape[1] for fr in fold_ranks)
+            ranks = np.concatenate([np.pad(fr[2][j], ((0, 0), (0, width - fr[2][j].shape[1])),
+                                           constant_values=_PAD) for fr in fold_ranks])
+            for k, v in binned_ranking(ranks, uncertainty(lv[rows]), bins).items():
+                yield f"{d}/{k}", v
+
     def _eccv_ready(self, data: EvalSet) -> Any:
         image_ids, caption_ids = data.info.get("image_ids"), data.info.get("caption_ids")
         if not _get(self.config, "eccv", True) or image_ids is None or caption_ids is None:
@@ -375,6 +537,7 @@ class Evaluator:
     def run(self, params: Any, progress: Callable[[int], None] | None = None
             ) -> Iterator[tuple[str, float]]:
         data = self.data()
+        self._prepare(data)   # before encoding: a bad instances file fails fast
         i_mu, i_lv, t_mu, t_lv = self.encode(params, data, progress)
         cap_img = np.asarray(data.caption_record, np.int64)
         is_coco = data.name == "coco"
@@ -391,15 +554,19 @@ class Evaluator:
             for k, v in self._uncertainty_aware(data, i_mu, i_lv, t_mu, t_lv, cap_img, kind, ranks):
                 yield f"{full_prefix}/{k}", v
             if folds:   # COCO 1K: folds of `fold_size` consecutive images and their captions
-                per_fold = []
+                per_fold, fold_ranks = [], []
                 for f in range(folds):
                     lo, hi = f * fold_size, (f + 1) * fold_size
                     caps = np.flatnonzero((cap_img >= lo) & (cap_img < hi))
-                    m, _, _ = self._protocol(i_mu[lo:hi], _rows(i_lv, slice(lo, hi)), t_mu[caps],
-                                             _rows(t_lv, caps), cap_img[caps] - lo, kind)
+                    m, _, r = self._protocol(i_mu[lo:hi], _rows(i_lv, slice(lo, hi)), t_mu[caps],
+                                             _rows(t_lv, caps), cap_img[caps] - lo, kind,
+                                             images=slice(lo, hi), caps=caps)
                     per_fold.append(m)
+                    fold_ranks.append((np.arange(lo, hi), caps, r))
                 for k in per_fold[0]:
                     yield f"{prefix}/1k/{k}", float(np.mean([m[k] for m in per_fold]))
+                for k, v in self._fold_bins(fold_ranks, i_lv, t_lv):
+                    yield f"{prefix}/1k/{k}", v
             if eccv is not None:
                 yield from self._eccv(eccv, data, i2t_top, t2i_top, prefix)
 
@@ -424,3 +591,14 @@ class Evaluator:
 
 def _rows(x: np.ndarray | None, rows: Any) -> np.ndarray | None:
     return None if x is None else x[rows]
+
+
+def _all(rows: Any) -> Any:
+    """None (the whole set) -> slice(None) for indexing."""
+    return slice(None) if rows is None else rows
+
+
+def caption_metrics() -> Any:
+    """evaluators.caption_metrics (imported here: it imports this module's rank functions)."""
+    from evaluators import caption_metrics as cm
+    return cm

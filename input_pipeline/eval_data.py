@@ -392,6 +392,87 @@ def tfds_captions(tfds_name: str = "coco_captions", split: str = "test",
                    {"image_ids": np.asarray(image_ids), "caption_ids": np.asarray(cap_ids)})
 
 
+# ------------------------------------------------------------------------------ COCO categories, CUB
+COCO_CATEGORY_SLOTS = 90   # COCO category ids run 1..90 (80 used), as PCME's / DAA's codes
+
+
+def coco_category_codes(files: Sequence[str], image_ids: Sequence[int]
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """(codes bool [N, 90], annotated bool [N]) of the given COCO image ids from instances
+    files (instances_{train,val}2014.json: `annotations[].image_id`, `.category_id`, and
+    `images[].id`): codes[i, category_id - 1] = 1 when image i has an instance of the category
+    (the 90-slot layout of PCME's evaluate_pmrp_coco.py, for PMRP). annotated[i] = False for an
+    image without any instance (listed in `images` but never in `annotations`).
+    An image id in none of the files' `images` is an error naming the files and the id (the
+    wrong file for the split, e.g. train2014 instances for Karpathy test images, which are val)."""
+    files = [files] if isinstance(files, str) else list(files)
+    ids = np.asarray(image_ids, np.int64)
+    where = {int(x): i for i, x in enumerate(ids)}
+    width, found = COCO_CATEGORY_SLOTS, []
+    listed: set[int] | None = None
+    for f in files:
+        with open(_need(f, "COCO instances file")) as fh:
+            meta = json.load(fh)
+        if "images" in meta:
+            listed = (listed or set()) | {int(im["id"]) for im in meta["images"]}
+        width = max([width] + [int(c["id"]) for c in meta.get("categories", [])])
+        for a in meta.get("annotations", []):
+            i = where.get(int(a["image_id"]))
+            if i is not None:
+                cat = int(a["category_id"])
+                if cat < 1:
+                    raise ValueError(f"{f}: category_id {cat} < 1 (COCO ids start at 1)")
+                found.append((i, cat - 1))
+                width = max(width, cat)
+    codes = np.zeros((len(ids), width), bool)
+    for i, j in found:
+        codes[i, j] = True
+    if listed is not None:
+        missing = [int(x) for x in ids if int(x) not in listed]
+        if missing:
+            raise ValueError(f"COCO instances file(s) {', '.join(files)}: {len(missing)} of "
+                             f"{len(ids)} image ids of the split are not in their `images` "
+                             f"(e.g. image id {missing[0]}); name the instances file(s) of the "
+                             f"split's images (instances_val2014.json for the Karpathy test split)")
+    return codes, codes.any(1)
+
+
+def cub_captions(image_root: str, caption_root: str, classes_file: str) -> EvalSet:
+    """CUB Captions (Reed et al. 2016; the PCME protocol, DAA seed 004 §5.1.1): the images of
+    the classes listed in `classes_file` (one class folder per line, e.g. Xian et al.'s
+    testclasses.txt: "001.Black_footed_Albatross"), images at image_root/<class>/<name>.jpg
+    (CUB_200_2011/images), captions at caption_root/<class>/<name>.txt (text_c10: 10 lines).
+    info: class_ids int64 [N] (the class folder's number, else its line in the file),
+    classnames, captions_per_record."""
+    classes = read_list(classes_file, "CUB classes")
+    if not classes:
+        raise ValueError(f"CUB classes file {classes_file!r} lists no class")
+    paths, captions, cap_img, class_ids = [], [], [], []
+    for k, cls in enumerate(classes):
+        cls = cls.strip()
+        folder = _need(os.path.join(image_root, cls), "CUB class image folder")
+        match = re.match(r"^(\d+)\.", cls)
+        for name in sorted(os.listdir(folder)):
+            stem, ext = os.path.splitext(name)
+            if ext.lower() not in IMAGE_EXTENSIONS:
+                continue
+            txt = _need(os.path.join(caption_root, cls, stem + ".txt"), "CUB caption file")
+            with open(txt) as fh:
+                lines = [line.strip() for line in fh if line.strip()]
+            if not lines:
+                raise ValueError(f"CUB caption file {txt} is empty")
+            paths.append(os.path.join(folder, name))
+            captions += lines
+            cap_img += [len(paths) - 1] * len(lines)
+            class_ids.append(int(match.group(1)) if match else k)
+    if not paths:
+        raise FileNotFoundError(f"no CUB images under {image_root!r} for the classes of {classes_file!r}")
+    info = {"class_ids": np.asarray(class_ids, np.int64), "classnames": classes,
+            "captions_per_record": max(np.bincount(cap_img))}
+    return EvalSet("cub", _Records(len(paths), _Files(paths)), captions,
+                   np.asarray(cap_img, np.int64), info)
+
+
 # ------------------------------------------------------------------------------ HierarCaps
 HIERARCAPS_LEVELS = 4
 
