@@ -4,7 +4,8 @@
     it = build_train_iterator(config.data, tokenizer)     # per-host batches, see pipeline.py
 
 Modules: config (DataConfig), pipeline (builders, InputIterator), sources (ArrayRecord, tfds,
-exact epoch order), tar_source (streaming webdataset shards), decode + transforms (images,
+exact epoch order), captions (COCO / Flickr30K Karpathy and CUB caption training sources,
+noisy correspondence), tar_source (streaming webdataset shards), decode + transforms (images,
 captions, augmentation), records (record format, skip reasons), convert_tar (tar ->
 ArrayRecord), tokenizers, demo, synthetic (test/benchmark data).
 

@@ -365,3 +365,57 @@ def test_cub_errors_name_file_and_entry(tmp_path):
         _it(dict(cfg, splits=("test",)))
     with pytest.raises(FileNotFoundError, match="val1classes.txt"):
         _it(dict(cfg, splits=("val1",)))
+
+
+# ------------------------------------------------------------------------------ the trainer's data
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory):
+    """A word-level SentencePiece model over the captions' words: <pad> 0, </s> 1, <unk> 2,
+    [MASK] 3 (vocabulary <= the micro model's 64)."""
+    import sentencepiece as spm
+
+    tmp = tmp_path_factory.mktemp("spm")
+    words = ["a", "thing", "number", "this", "bird", "person"] + [str(i) for i in range(40)]
+    rng = np.random.default_rng(0)
+    (tmp / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words, 5)) for _ in range(300)))
+    spm.SentencePieceTrainer.train(
+        input=str(tmp / "corpus.txt"), model_prefix=str(tmp / "tok"), model_type="word",
+        vocab_size=56, hard_vocab_limit=False, pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+        user_defined_symbols=["[MASK]"], minloglevel=2, num_threads=1)
+    return str(tmp / "tok.model")
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_trainer_feeds_image_id_and_writes_the_noisy_pairs(coco, spm_model, tmp_path, monkeypatch):
+    """The trainer's own path (configs/tiny.py + overrides -> build_train_data -> train()):
+    image_id reaches the device batch, and <workdir>/noisy_pairs.json is written before the
+    checkpoint manager starts (train() is stopped there: no step is compiled)."""
+    from prolip_jax import sharding, train
+    from prolip_jax.data import build_train_data
+
+    args = ["prolip_jax.train", "--config", "configs/tiny.py", "--workdir", str(tmp_path / "w"),
+            "--config.data.source=coco_karpathy", f"--config.data.caption_file={coco[0]}",
+            f"--config.data.image_root={coco[1]}", "--config.data.noise_ratio=0.25",
+            f"--config.data.tokenizer.path={spm_model}", "--config.data.tokenizer.context_length=8",
+            "--config.model.variant=micro", "--config.data.image_size=16", "--config.batch_size=16",
+            "--config.targets.positives=image_id", "--config.masking.mask_token_id=3",
+            "--config.masking.group=2", "--config.masking.fraction=0.5"]
+    config, fv = train.parse_command_line(args)
+    data = build_train_data(config, train.model_config(config))
+    batch = next(data)
+    assert batch["image_id"].shape == (16,) and set(batch["image_id"].tolist()) <= set(range(500, 508))
+    mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
+    glob = sharding.global_batch(batch, mesh)
+    np.testing.assert_array_equal(np.asarray(glob["image_id"]), batch["image_id"])
+    data.close()
+
+    def stop(*a, **k):
+        raise _Stop
+    monkeypatch.setattr(train.ocp, "CheckpointManager", stop)
+    with pytest.raises(_Stop):
+        train.train(config, fv.workdir)
+    doc = json.loads((tmp_path / "w" / "noisy_pairs.json").read_text())
+    assert doc["num_corrupted"] == 10 and doc["num_pairs"] == 40
