@@ -1,14 +1,15 @@
 """The optimiser: AdamW with the reference's decay mask and warm-up + cosine schedule (REFERENCE §5),
 plus the fine-tuning controls of issue 12 (locked parameters, per-group lr / weight decay, layer-wise
-lr decay).
+lr decay) and the pieces of the seed papers' COCO recipes (AdamP, a step schedule, weight averaging).
 
 Reference (src/prolip_train/main.py, scheduler.py): AdamW(lr 5e-4, betas (0.9, 0.95), eps 1e-6,
 wd 0.2) excluding parameters with ndim < 2 or whose name contains "bn", "ln", "bias" or
 "logit_scale"; lr = base * (step + 1) / warmup during warm-up, then a cosine to 0; no gradient
 clipping by default; `logit_scale` clamped to [0, ln 100] after every step.
 
-Fine-tuning controls (fields of `config.optim`, defaults in FINETUNE_DEFAULTS). Patterns are Python
-regular expressions searched (`re.search`) in the '/'-joined parameter path, e.g.
+Fine-tuning controls (fields of `config.optim`, defaults in FINETUNE_DEFAULTS, unlock_warmup_steps's
+in RECIPE_DEFAULTS). Patterns are Python regular expressions searched (`re.search`) in the '/'-joined
+parameter path, e.g.
 `visual/transformer/resblocks_3/attn/query_kernel`, `text/token_embedding`, `logit_scale`.
 - locked: patterns of parameters that are not trained: they get no optimiser state (no Adam moments)
   and their update is exactly zero. `^visual/` locks the image tower (LiT).
@@ -27,7 +28,28 @@ regular expressions searched (`re.search`) in the '/'-joined parameter path, e.g
   positional embeddings, [CLS] / [UNC] tokens, ln_pre) d^(L + 1), everything after the blocks
   (final norms, projections, heads) and parameters outside the towers (logit_scale, logit_bias) 1.
   It multiplies the group multiplier.
+- unlock_warmup_steps: with unlock_step, the lr of the parameters that unlock ramps linearly from 0
+  over this many steps from unlock_step: x (step - unlock_step + 1) / unlock_warmup_steps, like the
+  reference's warm-up (PCME++ §3.1 / App. B.2: the visual backbone frozen for 2 epochs, then "a linear LR
+  warmup during the first epoch after unfreezing"). 0: none.
 Decoupled weight decay follows torch's AdamW per parameter group: p -= lr * lr_mult * wd * p.
+
+Recipes of the COCO seed papers (PCME++ seed 003 App. B.2 / Table B.1, Pishdad et al. seed 001 §4.2,
+DAA seed 004 §5.2); fields of `config.optim`, defaults in OptimConfig:
+- name: "adamw" (the default, above) or "adamp": AdamP (Heo et al., ICLR 2021; clovaai/AdamP
+  `adamp.py`), the optimiser of PCME++ and DAA; see `scale_by_adamp`. adamp_delta (0.1),
+  adamp_wd_ratio (0.1) and adamp_nesterov (False) are its delta, wd_ratio and nesterov. It composes
+  with everything above: the decay mask and group weight decays (scaled by wd_ratio where the
+  projection applies), lr multipliers, locking, clipping (before it, as torch's clip_grad_norm_).
+- schedule: "warmup_cosine" (the reference's) or "step": after the same linear warm-up, the base lr
+  multiplied by step_factor (0.1) at each of step_boundaries: global steps (ints) or fractions of
+  total_steps (floats in (0, 1)). PCME++: constant, x0.1 for the last 10 of 25 epochs (0.6);
+  Pishdad et al.: /10 at epoch 15 of 30 (0.5).
+- swa_start_step, swa_every_steps: stochastic weight averaging (PCME++ App. B.3; its code:
+  swa_start_epoch 16, swa_per_epochs 1). The parameters after n updates, for n = swa_start_step,
+  swa_start_step + swa_every_steps, ..., are averaged with equal weights (torch.optim.swa_utils'
+  running mean) in the optimiser state, so a checkpoint holds the average and a resume goes on with
+  it; `swa_params(opt_state)` returns it and the number of snapshots. swa_every_steps 0: off.
 """
 from __future__ import annotations
 
@@ -35,11 +57,12 @@ import dataclasses
 import functools
 import math
 import re
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Literal, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import optax
+import optax.tree_utils as otu
 
 NO_DECAY_SUBSTRINGS = ("bn", "ln", "bias", "logit_scale")
 MAX_LOGIT_SCALE = math.log(100.0)
@@ -63,15 +86,35 @@ class OptimConfig:
     unlock_step: int = 0
     groups: Any = ()  # dicts of GROUP_KEYS
     layer_decay: float = 1.0
+    unlock_warmup_steps: int = 0  # linear lr warm-up of the parameters that unlock at unlock_step
+    # The COCO recipes of the seed papers (module docstring); the defaults are the reference's.
+    name: Literal["adamw", "adamp"] = "adamw"
+    adamp_delta: float = 0.1  # AdamP's delta (clovaai/AdamP adamp.py default)
+    adamp_wd_ratio: float = 0.1  # AdamP's wd_ratio: weight decay x this where the projection applies
+    adamp_nesterov: bool = False
+    schedule: Literal["warmup_cosine", "step"] = "warmup_cosine"
+    step_boundaries: tuple[int | float, ...] = ()  # schedule "step": global steps, or fractions of total_steps
+    step_factor: float = 0.1  # schedule "step": the lr multiplier at each boundary
+    swa_start_step: int = 0  # the first averaged parameters: those after this many updates
+    swa_every_steps: int = 0  # then every this many updates; 0: no weight averaging
 
     def validate(self) -> None:
         if self.lr < 0 or self.warmup_steps < 0:
             raise ValueError(f"config.optim.lr and warmup_steps must be >= 0, got {self.lr}, {self.warmup_steps}")
         finetune_config(dataclasses.asdict(self))
+        recipe_config(dataclasses.asdict(self))
 
 
 # The fine-tuning fields of `config.optim` and their defaults.
 FINETUNE_DEFAULTS = {k: getattr(OptimConfig(), k) for k in ("locked", "unlock_step", "groups", "layer_decay")}
+# The recipe fields (module docstring) and their defaults.
+RECIPE_DEFAULTS = {k: getattr(OptimConfig(), k) for k in (
+    "unlock_warmup_steps", "name", "adamp_delta", "adamp_wd_ratio", "adamp_nesterov", "schedule",
+    "step_boundaries", "step_factor", "swa_start_step", "swa_every_steps")}
+# The fields a checkpoint's optimiser (its opt_state's layout) is rebuilt from: a checkpoint saved
+# without one of them was saved with its default. (Only locked, unlock_step, groups, layer_decay,
+# name and swa_every_steps change the layout; the others are here so the merged config is valid.)
+LAYOUT_DEFAULTS = {**FINETUNE_DEFAULTS, **RECIPE_DEFAULTS}
 GROUP_KEYS = ("pattern", "lr_mult", "weight_decay")
 
 # Parameters before the first transformer block of a tower (layer-wise lr decay's "layer 0").
@@ -97,6 +140,41 @@ def warmup_cosine(base_lr: float, warmup_steps: int, total_steps: int, end_lr: f
         return jnp.where(step < warmup_steps, warm, cos)
 
     return schedule
+
+
+def warmup_step(base_lr: float, warmup_steps: int, boundaries: Sequence[int], factor: float) -> Callable:
+    """The same linear warm-up, then base_lr x factor^(number of boundaries <= step): a step decay
+    (torch MultiStepLR by update count; PCME++ and Pishdad et al. decay x0.1 at one boundary)."""
+    bounds = jnp.asarray(sorted(boundaries), jnp.int32).reshape(-1)
+
+    def schedule(step):
+        step = jnp.asarray(step)
+        warm = base_lr * (step.astype(jnp.float32) + 1.0) / max(warmup_steps, 1)
+        passed = jnp.sum(step >= bounds) if len(boundaries) else 0
+        decayed = base_lr * jnp.power(jnp.float32(factor), passed)
+        return jnp.where(step < warmup_steps, warm, decayed).astype(jnp.float32)
+
+    return schedule
+
+
+def boundary_steps(boundaries: Sequence[int | float], total_steps: int) -> tuple[int, ...]:
+    """optim.step_boundaries as global steps: ints are steps, floats in (0, 1) fractions of total_steps."""
+    steps = tuple(b if isinstance(b, int) else int(round(b * total_steps)) for b in boundaries)
+    if any(s >= total_steps for s in steps) or any(b >= a for a, b in zip(steps[1:], steps)):
+        raise ValueError(f"optim.step_boundaries {list(boundaries)} are steps {list(steps)} of total_steps="
+                         f"{total_steps}; they must increase and stay below total_steps")
+    return steps
+
+
+def make_schedule(config: Mapping[str, Any], total_steps: int) -> Callable:
+    """The lr schedule of `config.optim` (optim.schedule)."""
+    r = recipe_config(config)
+    if total_steps <= 0:
+        raise ValueError(f"total_steps must be positive, got {total_steps}")
+    if r.schedule == "step":
+        return warmup_step(config["lr"], config["warmup_steps"], boundary_steps(r.step_boundaries, total_steps),
+                           r.step_factor)
+    return warmup_cosine(config["lr"], config["warmup_steps"], total_steps, config.get("end_lr", 0.0))
 
 
 # ------------------------------------------------------------------------------- paths
@@ -185,6 +263,64 @@ def finetune_config(config: Mapping[str, Any]) -> Finetune:
     if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 < d < math.inf:
         raise ValueError(f"optim.layer_decay must be a number > 0 (1: no layer-wise decay), got {d!r}")
     return Finetune(lock, unlock_step, tuple(groups), float(d))
+
+
+class Recipe(NamedTuple):
+    """The validated recipe fields of `config.optim` (see RECIPE_DEFAULTS)."""
+    unlock_warmup_steps: int
+    name: str
+    adamp_delta: float
+    adamp_wd_ratio: float
+    adamp_nesterov: bool
+    schedule: str
+    step_boundaries: tuple
+    step_factor: float
+    swa_start_step: int
+    swa_every_steps: int
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def recipe_config(config: Mapping[str, Any]) -> Recipe:
+    """The recipe fields of `config` (missing ones take RECIPE_DEFAULTS), checked; ValueError if bad."""
+    c = {**RECIPE_DEFAULTS, **{k: _plain(config[k]) for k in RECIPE_DEFAULTS if k in config}}
+    for key in ("unlock_warmup_steps", "swa_start_step", "swa_every_steps"):
+        if not _is_int(c[key]) or c[key] < 0:
+            raise ValueError(f"optim.{key} must be an integer >= 0, got {c[key]!r}")
+    if c["unlock_warmup_steps"] and not config.get("unlock_step"):
+        raise ValueError(f"optim.unlock_warmup_steps={c['unlock_warmup_steps']} has no effect without "
+                         f"optim.unlock_step (and optim.locked)")
+    if c["name"] not in ("adamw", "adamp"):
+        raise ValueError(f"optim.name must be 'adamw' or 'adamp', got {c['name']!r}")
+    if not _is_number(c["adamp_delta"]) or c["adamp_delta"] <= 0:
+        raise ValueError(f"optim.adamp_delta must be a finite number > 0, got {c['adamp_delta']!r}")
+    if not _is_number(c["adamp_wd_ratio"]) or c["adamp_wd_ratio"] < 0:
+        raise ValueError(f"optim.adamp_wd_ratio must be a finite number >= 0, got {c['adamp_wd_ratio']!r}")
+    if not isinstance(c["adamp_nesterov"], bool):
+        raise ValueError(f"optim.adamp_nesterov must be True or False, got {c['adamp_nesterov']!r}")
+    if c["adamp_nesterov"] and c["name"] != "adamp":
+        raise ValueError(f"optim.adamp_nesterov=True has no effect with optim.name={c['name']!r}")
+    if c["schedule"] not in ("warmup_cosine", "step"):
+        raise ValueError(f"optim.schedule must be 'warmup_cosine' or 'step', got {c['schedule']!r}")
+    bounds = (c["step_boundaries"],) if not isinstance(c["step_boundaries"], (tuple, list)) else c["step_boundaries"]
+    for b in bounds:
+        if not ((_is_int(b) and b > 0) or (isinstance(b, float) and 0.0 < b < 1.0)):
+            raise ValueError(f"optim.step_boundaries must hold global steps (integers > 0) or fractions of "
+                             f"total_steps (floats in (0, 1)), got {list(bounds)!r}")
+    if bounds and c["schedule"] != "step":
+        raise ValueError(f"optim.step_boundaries={list(bounds)} has no effect with optim.schedule={c['schedule']!r}")
+    if not _is_number(c["step_factor"]) or c["step_factor"] <= 0:
+        raise ValueError(f"optim.step_factor must be a finite number > 0, got {c['step_factor']!r}")
+    if c["swa_start_step"] and not c["swa_every_steps"]:
+        raise ValueError(f"optim.swa_start_step={c['swa_start_step']} has no effect without optim.swa_every_steps")
+    return Recipe(**{**c, "step_boundaries": tuple(bounds), "adamp_delta": float(c["adamp_delta"]),
+                     "adamp_wd_ratio": float(c["adamp_wd_ratio"]), "step_factor": float(c["step_factor"])})
 
 
 def _check_matches(pattern: str, paths: Sequence[str], what: str) -> None:
@@ -276,6 +412,178 @@ def weight_decays(params: Any, config: Mapping[str, Any]) -> Any:
         lambda p, x: float(_group_of(ft, p).get("weight_decay", base)) if _decays(p, x) else 0.0, params)
 
 
+# -------------------------------------------------------------------------------- AdamP
+def adamp_channel_axes(path: str, ndim: int) -> tuple[int, ...]:
+    """The axes of a >= 2-D parameter that index AdamP's channels: the axes of torch's dim 0.
+
+    clovaai/AdamP `_channel_view` is `x.view(x.size(0), -1)`: one channel per index of torch's first
+    axis, the output unit of nn.Linear [out, in] and nn.Conv2d [out, in, kh, kw] weights (what a
+    following BatchNorm normalises, the scale invariance AdamP detects, paper §3). Flax kernels keep
+    the output axes last: Dense [in, out], Conv [kh, kw, in, out], the attention output
+    [heads, head_dim, out] -> the last axis; the attention query/key/value kernels [in, heads,
+    head_dim] -> (heads, head_dim), the rows of torch's in_proj_weight. Other tensors (embedding
+    tables, positional embeddings, open_clip's raw x @ proj matrices) are stored as in torch
+    (prolip_jax/convert.py copies them) -> axis 0. One deviation from the torch model: torch's packed
+    in_proj_weight is one tensor, here three, so its layer-wise test runs per query/key/value."""
+    name = path.rsplit("/", 1)[-1]
+    if name.endswith("kernel"):
+        if name in ("query_kernel", "key_kernel", "value_kernel"):
+            return tuple(range(1, ndim))
+        return (ndim - 1,)
+    return (0,)
+
+
+def _rows(x: jax.Array, axes: tuple[int, ...] | None) -> jax.Array:
+    """x as [channels, -1] (axes: the channel axes) or [1, -1] (axes None: the whole layer)."""
+    if axes is None:
+        return x.reshape(1, -1)
+    perm = axes + tuple(a for a in range(x.ndim) if a not in axes)
+    return jnp.transpose(x, perm).reshape(math.prod(x.shape[a] for a in axes), -1)
+
+
+def _unrows(v: jax.Array, axes: tuple[int, ...] | None, shape: tuple[int, ...]) -> jax.Array:
+    if axes is None:
+        return v.reshape(shape)
+    perm = axes + tuple(a for a in range(len(shape)) if a not in axes)
+    return jnp.transpose(v.reshape(tuple(shape[a] for a in perm)), tuple(perm.index(a) for a in range(len(shape))))
+
+
+def _adamp_projection(p, grad, perturb, axes, delta: float, eps: float):
+    """(perturb, projected?) of clovaai/AdamP `_projection`: the channel view first, then the layer
+    view; the first whose largest |cos(grad, p)| is below delta / sqrt(view size) removes the radial
+    component p_n (p_n . perturb) of the update in that view."""
+    done = jnp.zeros((), bool)
+    out = perturb
+    for view in (axes, None):
+        pv, gv, uv = _rows(p, view), _rows(grad, view), _rows(perturb, view)
+        # torch.nn.functional.cosine_similarity(x, y, dim=1, eps): x.y / (max(|x|, eps) max(|y|, eps))
+        pn, gn = jnp.linalg.norm(pv, axis=1), jnp.linalg.norm(gv, axis=1)
+        cos = jnp.abs(jnp.sum(pv * gv, axis=1)) / (jnp.maximum(pn, eps) * jnp.maximum(gn, eps))
+        hit = jnp.max(cos) < delta / math.sqrt(pv.shape[1])
+        unit = pv / (pn[:, None] + eps)
+        projected = _unrows(uv - unit * jnp.sum(unit * uv, axis=1, keepdims=True), view, p.shape)
+        out = jnp.where(~done & hit, projected, out)
+        done = done | hit
+    return out, done
+
+
+def scale_by_adamp(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, delta: float = 0.1,
+                   wd_ratio: float = 0.1, nesterov: bool = False,
+                   weight_decay: float | Callable[[str, Any], float] = 0.0) -> optax.GradientTransformation:
+    """AdamP (Heo et al., ICLR 2021, Algorithm 2; clovaai/AdamP adamp.py `AdamP.step`) up to the
+    learning rate: chain it with scale_by_learning_rate. Per parameter, with t the update count:
+        m = b1 m + (1 - b1) g,  v = b2 v + (1 - b2) g^2
+        perturb = m / (sqrt(v) / sqrt(1 - b2^t) + eps)      (nesterov: (b1 m + (1 - b1) g) instead of m)
+        ndim > 1: perturb, projected = projection (see _adamp_projection);  r = wd_ratio if projected else 1
+        update = perturb / (1 - b1^t) + wd * r * p
+    so that x -lr it is the reference's `p *= 1 - lr wd r; p -= lr / (1 - b1^t) perturb`.
+    weight_decay: a number, or a function (path, leaf) -> number per parameter ('/'-joined path).
+    The state is optax's ScaleByAdamState, so state utilities (transfer_state, sharding) treat it as Adam's."""
+    decay = weight_decay if callable(weight_decay) else (lambda path, x: weight_decay)
+
+    def init(params):
+        return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=otu.tree_zeros_like(params),
+                                      nu=otu.tree_zeros_like(params))
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("AdamP needs the parameters: tx.update(grads, state, params)")
+        count = optax.safe_increment(state.count)
+        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, updates)
+        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, updates)
+        t = count.astype(jnp.float32)
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+
+        def one(path, g, m, v, p):
+            path = _path_str(path)
+            denom = jnp.sqrt(v) / jnp.sqrt(bc2).astype(v.dtype) + eps
+            perturb = ((b1 * m + (1 - b1) * g) if nesterov else m) / denom
+            ratio = 1.0
+            if p.ndim > 1:
+                perturb, projected = _adamp_projection(p, g, perturb, adamp_channel_axes(path, p.ndim), delta, eps)
+                ratio = jnp.where(projected, wd_ratio, 1.0)
+            out = perturb / bc1.astype(perturb.dtype)
+            wd = decay(path, p)
+            return out + (wd * ratio) * p if wd else out
+
+        new = jax.tree_util.tree_map_with_path(one, updates, mu, nu, params)
+        return new, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+    return optax.GradientTransformation(init, update)
+
+
+# ------------------------------------------------------------------------ weight averaging
+class SWAState(NamedTuple):
+    """Stochastic weight averaging: `mean` of the `n` snapshots taken so far; `count` updates seen."""
+    count: jax.Array
+    n: jax.Array
+    mean: Any
+
+
+def swa(start_step: int, every_steps: int) -> optax.GradientTransformation:
+    """Averages the parameters after n updates for n = start_step, start_step + every_steps, ... (n >= 1).
+
+    Last in the chain: it passes the updates through and takes the new parameters as the trainer
+    makes them (apply_updates, then clamp_logit_scale). The mean is torch.optim.swa_utils'
+    AveragedModel default: mean += (p - mean) / (n + 1), so snapshot k has weight 1 / n."""
+    first = max(start_step, 1)
+
+    def init(params):
+        return SWAState(count=jnp.zeros([], jnp.int32), n=jnp.zeros([], jnp.int32), mean=otu.tree_zeros_like(params))
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("weight averaging needs the parameters: tx.update(grads, state, params)")
+        count = optax.safe_increment(state.count)
+        due = (count >= first) & ((count - start_step) % every_steps == 0)
+
+        def snapshot():
+            new = optax.apply_updates(params, updates)
+            if isinstance(new, Mapping) and "logit_scale" in new:
+                new = clamp_logit_scale(new)
+            n = state.n + 1
+            return jax.tree.map(lambda m, x: m + (x.astype(m.dtype) - m) / n.astype(m.dtype), state.mean, new), n
+
+        mean, n = jax.lax.cond(due, snapshot, lambda: (state.mean, state.n))
+        return updates, SWAState(count=count, n=n, mean=mean)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _is_swa(x) -> bool:
+    return isinstance(x, SWAState)
+
+
+def swa_params(opt_state: Any) -> tuple[Any, jax.Array]:
+    """(averaged parameters, number of snapshots averaged) held in a make_optimizer state (or a train
+    state's opt_state) with optim.swa_every_steps > 0. While the number is 0 the average is zeros:
+    use the parameters themselves then. Works under jit (the number is an array)."""
+    found = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_swa) if _is_swa(s)]
+    if not found:
+        raise ValueError("this optimiser state keeps no weight average (optim.swa_every_steps is 0)")
+    return found[0].mean, found[0].n
+
+
+def _scale_by_lr_with_ramp(schedule: Callable, ramped: frozenset[str], start: int,
+                           steps: int) -> optax.GradientTransformation:
+    """scale_by_learning_rate(schedule) (the same state) with the leaves at `ramped` paths scaled
+    further by clip((count - start + 1) / steps, 0, 1): optim.unlock_warmup_steps."""
+
+    def update(updates, state, params=None):
+        del params
+        lr = schedule(state.count)
+        ramp = jnp.clip((state.count - start + 1).astype(jnp.float32) / steps, 0.0, 1.0)
+
+        def one(path, u):
+            step_size = -lr * ramp if _path_str(path) in ramped else -lr
+            return jnp.array(step_size, dtype=u.dtype) * u
+
+        return (jax.tree_util.tree_map_with_path(one, updates),
+                optax.ScaleByScheduleState(count=optax.safe_increment(state.count)))
+
+    return optax.GradientTransformation(optax.scale_by_learning_rate(schedule).init, update)
+
+
 # ---------------------------------------------------------------------------- optimiser
 def make_optimizer(config: Mapping[str, Any], total_steps: int, params: Any = None,
                    step: int = 0) -> tuple[optax.GradientTransformation, Callable]:
@@ -287,20 +595,33 @@ def make_optimizer(config: Mapping[str, Any], total_steps: int, params: Any = No
         partition {adam, adam_unlocked: scale_by_adam, locked: set_to_zero}   <- the only state
         partition {scale<k>: add_decayed_weights(wd_k) + scale(lr_mult_k), locked: set_to_zero}
         scale_by_learning_rate(schedule)             (one schedule count: the global update count)
-    for the phase of global step `step` (locked before optim.unlock_step, all trainable from it)."""
-    schedule = warmup_cosine(config["lr"], config["warmup_steps"], total_steps, config.get("end_lr", 0.0))
-    ft = finetune_config(config)
+    for the phase of global step `step` (locked before optim.unlock_step, all trainable from it).
+    optim.name "adamp": scale_by_adamp in place of scale_by_adam, with the (group) weight decay inside
+    it (AdamP scales it by wd_ratio where it projects); the scale partitions only multiply by lr_mult.
+    optim.unlock_warmup_steps: from unlock_step the lr stage ramps the unlocked parameters' lr.
+    optim.swa_every_steps: swa(...) last (its state: the running average of the parameters)."""
+    ft, r = finetune_config(config), recipe_config(config)
+    schedule = make_schedule(config, total_steps)
     parts = []
     if config.get("clip_norm"):
         parts.append(optax.clip_by_global_norm(config["clip_norm"]))
-    adam = lambda: optax.scale_by_adam(b1=config["b1"], b2=config["b2"], eps=config["eps"])  # noqa: E731
+    adamp = r.name == "adamp"
+
+    def adam(weight_decay: float | Callable = 0.0) -> optax.GradientTransformation:
+        if adamp:  # torch's AdamP defaults are (0.9, 0.999), 1e-8; the config's values are used
+            return scale_by_adamp(b1=config["b1"], b2=config["b2"], eps=config["eps"], delta=r.adamp_delta,
+                                  wd_ratio=r.adamp_wd_ratio, nesterov=r.adamp_nesterov, weight_decay=weight_decay)
+        return optax.scale_by_adam(b1=config["b1"], b2=config["b2"], eps=config["eps"])
+
+    averaging = [swa(r.swa_start_step, r.swa_every_steps)] if r.swa_every_steps else []
     if not ft.active:
-        parts += [
-            adam(),
+        wd = config["weight_decay"]
+        if adamp:
+            parts += [adam(lambda path, x: wd if _decays(path, x) else 0.0)]
+        else:
             # Decoupled decay as torch.optim.AdamW: p -= lr * wd * p (the mask is static, by name).
-            optax.add_decayed_weights(config["weight_decay"], mask=decay_mask),
-            optax.scale_by_learning_rate(schedule),
-        ]
+            parts += [adam(), optax.add_decayed_weights(wd, mask=decay_mask)]
+        parts += [optax.scale_by_learning_rate(schedule), *averaging]
         return optax.chain(*parts), schedule
     if params is None:
         raise ValueError("optim.locked / optim.groups / optim.layer_decay need the parameter tree: "
@@ -308,13 +629,14 @@ def make_optimizer(config: Mapping[str, Any], total_steps: int, params: Any = No
     for i, g in enumerate(ft.groups):
         _check_matches(g["pattern"], param_paths(params), f"optim.groups[{i}]")
 
+    paths = param_paths(params)
     trainable = jax.tree.leaves(trainable_mask(params, config, step))
     # Adam state per partition: a parameter unlocked later gets its own Adam count, from 0.
     from_start = jax.tree.leaves(trainable_mask(params, config, 0))
     adam_labels = [LOCKED if not t else ADAM if s else ADAM_UNLOCKED for t, s in zip(trainable, from_start)]
     # Stateless per-leaf settings, one label per distinct (lr_mult, wd) pair; names stay checkpoint-safe.
-    settings = list(zip(jax.tree.leaves(lr_multipliers(params, config)),
-                        jax.tree.leaves(weight_decays(params, config))))
+    decays = jax.tree.leaves(weight_decays(params, config))
+    settings = list(zip(jax.tree.leaves(lr_multipliers(params, config)), [0.0] * len(decays) if adamp else decays))
     distinct = sorted({s for s, t in zip(settings, trainable) if t})
     scale_labels = [f"scale{distinct.index(s)}" if t else LOCKED for s, t in zip(settings, trainable)]
 
@@ -324,14 +646,22 @@ def make_optimizer(config: Mapping[str, Any], total_steps: int, params: Any = No
         return optax.chain(*inner) if inner else optax.identity()
 
     treedef = jax.tree.structure(params)
-    adam_tx = {ADAM: adam(), ADAM_UNLOCKED: adam(), LOCKED: optax.set_to_zero()}
+    wd_of = dict(zip(paths, decays))
+    adam_tx = {ADAM: adam(lambda path, _: wd_of[path]), ADAM_UNLOCKED: adam(lambda path, _: wd_of[path]),
+               LOCKED: optax.set_to_zero()}
     scale_tx = {f"scale{k}": scaling(*s) for k, s in enumerate(distinct)} | {LOCKED: optax.set_to_zero()}
+    unlocked = frozenset(p for p, label in zip(paths, adam_labels) if label == ADAM_UNLOCKED)
+    if r.unlock_warmup_steps and unlocked:  # PCME++ App. B.2: linear warm-up after unfreezing
+        lr_stage = _scale_by_lr_with_ramp(schedule, unlocked, ft.unlock_step, r.unlock_warmup_steps)
+    else:
+        lr_stage = optax.scale_by_learning_rate(schedule)
     parts += [
         optax.multi_transform({k: v for k, v in adam_tx.items() if k in adam_labels},
                               jax.tree.unflatten(treedef, adam_labels)),
         optax.multi_transform({k: v for k, v in scale_tx.items() if k in scale_labels},
                               jax.tree.unflatten(treedef, scale_labels)),
-        optax.scale_by_learning_rate(schedule),
+        lr_stage,
+        *averaging,
     ]
     return optax.chain(*parts), schedule
 
@@ -360,7 +690,8 @@ def transfer_state(old_state: Any, new_tx: optax.GradientTransformation, params:
 
     Adam moments move per parameter path (same shape only); a new Adam partition takes the largest
     count of the old partitions it draws from, or starts at 0 if it draws from none (parameters just
-    unlocked). The schedule count is carried, so the lr goes on by the global update count.
+    unlocked). The schedule count is carried, so the lr goes on by the global update count. A weight
+    average (optim.swa_every_steps) is carried whole: its count, number of snapshots and mean.
     Call it under jit (out_shardings from `tree_map_params`) or with concrete params."""
     old_adams = [s for s in jax.tree.leaves(old_state, is_leaf=_is_adam) if _is_adam(s)]
     old_moments = {}  # path -> (index in old_adams, mu, nu)
@@ -368,6 +699,7 @@ def transfer_state(old_state: Any, new_tx: optax.GradientTransformation, params:
         mu, nu = _present(s.mu), _present(s.nu)
         old_moments.update({p: (i, mu[p], nu[p]) for p in mu})
     old_sched = [s.count for s in jax.tree.leaves(old_state, is_leaf=_is_sched) if _is_sched(s)]
+    old_swa = [s for s in jax.tree.leaves(old_state, is_leaf=_is_swa) if _is_swa(s)]
 
     def carry(node):
         if _is_adam(node):
@@ -387,9 +719,19 @@ def transfer_state(old_state: Any, new_tx: optax.GradientTransformation, params:
             return node._replace(count=count, mu=mu, nu=nu)
         if _is_sched(node) and old_sched:
             return node._replace(count=jnp.asarray(old_sched[0]).astype(node.count.dtype))
+        if _is_swa(node):
+            if old_swa:  # the average so far, by parameter path (same shape only)
+                old_mean = _present(old_swa[0].mean)
+                mean = jax.tree_util.tree_map_with_path(
+                    lambda p, x: old_mean[_path_str(p)].astype(x.dtype)
+                    if _path_str(p) in old_mean and old_mean[_path_str(p)].shape == x.shape else x, node.mean)
+                return node._replace(count=jnp.asarray(old_swa[0].count).astype(node.count.dtype),
+                                     n=jnp.asarray(old_swa[0].n).astype(node.n.dtype), mean=mean)
+            if old_sched:  # averaging switched on now: it counts global updates from here
+                return node._replace(count=jnp.asarray(old_sched[0]).astype(node.count.dtype))
         return node
 
-    return jax.tree.map(carry, new_tx.init(params), is_leaf=lambda x: _is_adam(x) or _is_sched(x))
+    return jax.tree.map(carry, new_tx.init(params), is_leaf=lambda x: _is_adam(x) or _is_sched(x) or _is_swa(x))
 
 
 def tree_map_params(tx: optax.GradientTransformation, f: Callable, state: Any, *rest: Any,
