@@ -106,9 +106,11 @@ def ground_truth_mean(vectors: sp.csr_matrix, cap_img: np.ndarray, num_images: i
     repeated when it has fewer (DAA's tfidf_GT). Since psi is a dot product,
     SEM(image, caption) = ground_truth_mean[image] . vectors[caption] (Eq. 7)."""
     cap_img = np.asarray(cap_img, np.int64)
+    order = np.argsort(cap_img, kind="stable")           # captions grouped by image, in order
+    ends = np.cumsum(np.bincount(cap_img, minlength=num_images))
     rows, cols, vals = [], [], []
     for i in range(num_images):
-        caps = np.flatnonzero(cap_img == i)
+        caps = order[ends[i - 1] if i else 0:ends[i]]
         if len(caps) == 0:
             raise ValueError(f"ASP: image {i} has no caption")
         picked = list(caps[:per_image]) + [caps[0]] * max(0, per_image - len(caps))

@@ -522,10 +522,19 @@ class Evaluator:
     def _eccv_ready(self, data: EvalSet) -> Any:
         image_ids, caption_ids = data.info.get("image_ids"), data.info.get("caption_ids")
         if not _get(self.config, "eccv", True) or image_ids is None or caption_ids is None:
+            if (_get(self.config, "eccv", True) and data.name == "coco"
+                    and (data.name, "eccv") not in _WARNED):
+                _WARNED.add((data.name, "eccv"))
+                log.warning("retrieval/coco: ECCV Caption / CxC skipped: no COCO caption ids "
+                            "(config coco_annotations=.../captions_val2014.json)")
             return None
         try:
             import eccv_caption
         except ImportError:
+            if data.name == "coco" and (data.name, "eccv") not in _WARNED:
+                _WARNED.add((data.name, "eccv"))
+                log.warning("retrieval/coco: ECCV Caption / CxC skipped: eccv_caption is not "
+                            "installed (pip install eccv_caption)")
             return None
         metrics = eccv_caption.Metrics()
         if (set(caption_ids.tolist()) != set(metrics.coco_ids.tolist())

@@ -19,6 +19,11 @@ Writes
     DIR/results.json      {"<prefix><metric>": value, ..., "<name>/seconds": wall time,
                           "throughput/images_per_second": ..., "checkpoint/step": N (prolip_jax
                           checkpoints)} (atomic; non-finite -> null)
+    DIR/results.md        the same values as one markdown table (metric | value), in the order
+                          the evaluators report them, e.g. retrieval/coco/csd/5k/i2t_R@1,
+                          .../1k/rsum, .../eccv/mean_map_at_r, .../cxc/i2t_R@1,
+                          .../5k/i2t_pmrp, .../1k/t2i_asp_tfidf, .../5k/i2t/unc_rho_R1
+                          (configs/eval/coco.py, configs/eval/cub.py; evaluators/retrieval.py)
     DIR/<name>_*.png      sigma^2 histograms per modality, sigma^2 vs caption length, sigma^2 by
                           caption level (from the uncertainty evaluator's `arrays`); accuracy
                           per uncertainty bin from metrics named ".../unc_bin<i>_<what>" (the
@@ -123,6 +128,30 @@ def image_throughput(encoder: Any, params: Any, image_size: int, batches: int = 
     start = time.perf_counter()
     encoder.images(params, x)
     return len(x) / (time.perf_counter() - start)
+
+
+def format_value(v: Any) -> str:
+    """A metric for the markdown table: % and sums with 2 decimals, small values (correlations,
+    losses) with 4 significant digits, integers and text as they are."""
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, int) or (hasattr(v, "dtype") and getattr(v, "dtype").kind in "iu"):
+        return str(int(v))
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return str(v)
+    if not math.isfinite(f):
+        return "n/a"
+    return f"{f:.2f}" if abs(f) >= 1 else f"{f:.4g}"
+
+
+def markdown_table(results: dict[str, Any], title: str = "") -> str:
+    """One markdown table `| metric | value |` of a run's results, in their order."""
+    lines = [f"# {title}", ""] if title else []
+    lines += ["| metric | value |", "|---|---:|"]
+    lines += [f"| {k} | {format_value(v)} |" for k, v in results.items()]
+    return "\n".join(lines) + "\n"
 
 
 def _jsonable(v: Any) -> Any:
@@ -380,13 +409,15 @@ def evaluate(checkpoint: str, config: Any, out: Path, step: int | None = None,
     if jax.process_index() != 0:   # every host has the same results; one writes them
         return results
     write_json_atomic(out / "results.json", {k: _jsonable(v) for k, v in results.items()})
+    (out / "results.md").write_text(markdown_table(results, f"{checkpoint}"))
     for name, ev in suites.items():   # the suite's table: suite.json + suite.md
         from evaluators.suite import write_tables
 
         write_tables(ev.rows, out, {"checkpoint": str(checkpoint), "evaluator": name})
         print(f"wrote {out / 'suite.md'}")
     written = make_plots(collected, {n: evals[n]["type"] for n in modules}, per_eval, out) if plots else []
-    print(f"wrote {out / 'results.json'} ({len(results)} values) and {len(written)} plots")
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'} ({len(results)} values) and "
+          f"{len(written)} plots")
     return results
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -16,6 +17,8 @@ from PIL import Image
 from evaluators import caption_metrics as CM
 from evaluators import retrieval as R
 from input_pipeline import eval_data
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---- PMRP: 3 images x 2 captions, category vectors over 4 categories -----------------------
@@ -304,3 +307,94 @@ def test_evaluator_end_to_end_karpathy(tmp_path, caplog):
     bad = write_instances(tmp_path / "instances_train2014.json", [1, 2], {})
     with pytest.raises(ValueError, match="instances_train2014.json.*image id 1000"):
         dict(R.Evaluator(dict(base, instances=str(bad)), model, tokenizer=tok).run(params))
+
+
+# ---- CUB end to end and the eval configs ------------------------------------------------
+def micro():
+    from prolip_jax.models import ProLIP, abstract_params, get_config
+
+    cfg = get_config("micro")
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda a: (0.3 * rng.standard_normal(a.shape)).astype(a.dtype),
+                          abstract_params(cfg))
+    tok = lambda texts: np.stack([np.resize(np.frombuffer(t.encode(), np.uint8).astype(np.int32)
+                                            % 50 + 1, cfg.text.context_length) for t in texts])
+    return ProLIP(cfg, attention_impl="xla"), params, tok
+
+
+def write_cub(root):
+    rng = np.random.default_rng(1)
+    for cls, n in (("001.Black_footed_Albatross", 2), ("017.Cardinal", 3), ("020.Yellow_Warbler", 1)):
+        (root / "images" / cls).mkdir(parents=True)
+        (root / "text" / cls).mkdir(parents=True)
+        for k in range(n):
+            Image.fromarray(rng.integers(0, 255, (18, 20, 3), np.uint8)).save(
+                root / "images" / cls / f"{cls[4:]}_{k}.jpg")
+            (root / "text" / cls / f"{cls[4:]}_{k}.txt").write_text(
+                "".join(f"a {cls[4:].lower()} bird {k} {j}\n" for j in range(3)))
+    (root / "testclasses.txt").write_text("001.Black_footed_Albatross\n017.Cardinal\n")
+    return root
+
+
+def test_cub_config_end_to_end(tmp_path):
+    sys_path_scripts()
+    import evaluate
+
+    root = write_cub(tmp_path)
+    config = evaluate.load_config(str(ROOT / "configs/eval/cub.py"), [
+        f"--config.image_root={root / 'images'}", f"--config.caption_root={root / 'text'}",
+        f"--config.classes={root / 'testclasses.txt'}", "--config.unc_bins=2"])
+    ecfg = {k: v for k, v in config.evals.cub.to_dict().items() if k not in evaluate.EVAL_KEYS}
+    model, params, tok = micro()
+    ev = R.Evaluator(ecfg, model, tokenizer=tok)
+    res = dict(ev.run(params))
+    data = ev.data()
+    assert len(data) == 5 and len(data.captions) == 15       # 020 is not a test class
+    assert data.info["class_ids"].tolist() == [1, 1, 17, 17, 17]
+    from input_pipeline.transforms import normalize
+    images = np.concatenate([b["image"][b["mask"]] for b in data.batches(8, 16)])
+    apply = lambda m, x: jax.jit(lambda p, x: model.apply({"params": p}, x, method=m))(params, x)
+    i_mu, i_lv = (np.asarray(a, np.float64) for a in apply(model.encode_image, normalize(images)))
+    t_mu, t_lv = (np.asarray(a, np.float64) for a in apply(model.encode_text, tok(data.captions)))
+    cls_i, cls_t = data.info["class_ids"], data.info["class_ids"][data.caption_record]
+    for d, s, qc, gc in (("i2t", i_mu @ t_mu.T - np.exp(t_lv).sum(1)[None] / 2, cls_i, cls_t),
+                         ("t2i", t_mu @ i_mu.T - np.exp(i_lv).sum(1)[None] / 2, cls_t, cls_i)):
+        order = np.argsort(-s, 1, kind="stable")
+        hit = gc[order] == qc[:, None]                     # class-level positives
+        r = hit.sum(1)
+        rp = 100 * np.mean([h[:n].sum() / n for h, n in zip(hit, r)])
+        assert res[f"retrieval/cub/csd/{d}_rprecision"] == pytest.approx(rp, abs=1e-6)
+        assert res[f"retrieval/cub/csd/{d}_R@1"] == pytest.approx(100 * hit[:, 0].mean(), abs=1e-6)
+    assert "retrieval/cub/csd/i2t/unc_rho_R1" in res
+    assert not any("pmrp" in k or "asp" in k or "/1k/" in k for k in res)
+
+
+def sys_path_scripts():
+    import sys
+
+    scripts = str(ROOT / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+
+
+def test_coco_config_and_markdown():
+    sys_path_scripts()
+    import evaluate
+
+    config = evaluate.load_config(str(ROOT / "configs/eval/coco.py"), [
+        "--config.karpathy_json=/d/dataset_coco.json", "--config.image_root=/d",
+        "--config.instances=/d/instances_val2014.json", "--config.asp=False"])
+    ecfg = config.evals.coco
+    assert (ecfg.type, ecfg.dataset, ecfg.num_folds, ecfg.fold_size) == ("retrieval", "karpathy", 5, 1000)
+    assert ecfg.karpathy_json == "/d/dataset_coco.json" and ecfg.asp is False
+    assert R.paths(ecfg.instances) == ("/d/instances_val2014.json",)
+    assert R.paths("a.json, b.json") == ("a.json", "b.json") and R.paths("") == ()
+    with pytest.raises(ValueError, match="instance"):
+        evaluate.load_config(str(ROOT / "configs/eval/coco.py"), ["--config.instance=/x"])
+    md = evaluate.markdown_table({"retrieval/coco/csd/5k/i2t_pmrp": 41.234567,
+                                  "retrieval/coco/csd/5k/i2t/unc_rho_R1": -0.912345,
+                                  "checkpoint/step": 7})
+    assert md.splitlines() == ["| metric | value |", "|---|---:|",
+                               "| retrieval/coco/csd/5k/i2t_pmrp | 41.23 |",
+                               "| retrieval/coco/csd/5k/i2t/unc_rho_R1 | -0.9123 |",
+                               "| checkpoint/step | 7 |"]
