@@ -19,6 +19,8 @@ COCO: metrics on the full 5K test set (`.../5k/...`) and the mean over 5 folds o
 (`.../1k/...`, the COCO 1K protocol; RSUM is reported on both). With `eccv_caption` installed
 and the data being the COCO 5K test set with real ids (COCO image ids, COCO caption annotation
 ids), the ECCV Caption and CxC metrics too, through `eccv_caption.Metrics` as the reference does.
+On every protocol, optionally: PMRP (COCO instances file), ASP with a TF-IDF semantic score, and
+class-level positives (CUB) -- evaluators/caption_metrics.py, on the same score blocks.
 """
 from __future__ import annotations
 
@@ -404,7 +406,10 @@ class Evaluator:
 
     # ---- PMRP / ASP / class positives: per-item data of the whole set, sliced per protocol --
     def _prepare(self, data: EvalSet) -> None:
-        """Category codes (PMRP), TF-IDF vectors (ASP) and class ids of the whole set."""
+        """Category codes (PMRP), TF-IDF vectors (ASP) and class ids of the whole set; once per
+        set (the trainer evaluates the same set again and again)."""
+        if getattr(self, "_prepared_for", None) is data:
+            return
         cm = caption_metrics()
         c = self.config
         self._class_ids = self._codes = self._tfidf = None
@@ -436,6 +441,7 @@ class Evaluator:
             gt = cm.ground_truth_mean(vectors, cap_img, len(data),
                                       int(_get(c, "asp_captions_per_image", 5)))
             self._tfidf = (vectors, gt)
+        self._prepared_for = data
 
     def _extras(self, images: np.ndarray, caps: np.ndarray, cap_img: np.ndarray
                 ) -> tuple[dict[str, list], Callable[[], dict[str, float]]]:
