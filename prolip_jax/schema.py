@@ -126,7 +126,7 @@ def _check_type(value: Any, hint: Any, name: str) -> Any:
         if args:
             if len(args) != len(value):
                 raise TypeError(f"{name}={value!r} needs {len(args)} values")
-            return tuple(_check_type(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(args, value)))
+            return tuple(_check_type(v, a, f"{name}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
         return tuple(value)
     if origin in (dict, Mapping) or hint in (dict, Mapping) or origin is typing.Mapping:
         if not isinstance(value, Mapping):

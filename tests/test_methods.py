@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from prolip_jax import objectives, targets, train
+from prolip_jax import config_args, objectives, targets, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,3 +132,15 @@ def test_pcmepp_with_msda_and_shared_captions_trains_in_the_trainer(tmp_path):
     assert np.isfinite(metrics["loss"]) and metrics["skipped_updates"] == 0
     assert {"loss/match", "loss/pseudo_match", "loss/vib"} <= set(metrics)
     assert not any(k.endswith("inclusion") for k in metrics)
+
+
+def test_tower_overrides_keep_fixed_length_tuples():
+    """A `config.model.text` override re-parses the variant's TextConfig: its tokenizer_kwargs
+    (tuple[tuple[str, Any], ...]) must come back as values, not as their types (the checkpoint's
+    config.json is written from them)."""
+    import json
+
+    c = train.with_defaults(config_args.load_config_file("configs/methods.py:method=pcmepp"))
+    mcfg = train.model_config(c)
+    assert mcfg.text.tokenizer_kwargs == (("clean", "canonicalize"),)
+    json.dumps(mcfg.to_dict())
