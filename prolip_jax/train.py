@@ -69,7 +69,10 @@ class ModelOptions:
     the variant's VisionConfig / TextConfig (prolip_jax/models/config.py), e.g. the heads and
     pooling of the other methods: `model.text = dict(pool="gpo")`."""
 
-    variant: str = "tiny"  # a name in prolip_jax.models.VARIANTS
+    # A name in prolip_jax.models.VARIANTS, or "open_clip:NAME" for the towers of an open_clip
+    # architecture ('open_clip:ViT-B-32-quickgelu', prolip_jax/pretrained/openclip.py ARCHS): the
+    # shape a CLIP warm start needs, with `vision` / `text` adding the method's heads.
+    variant: str = "tiny"
     config_json: str = ""  # or a reference config.json (any size), used instead of `variant`
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute; params stay float32
     remat: str = dataclasses.field(default="none", metadata={"choices": tuple(REMAT_POLICIES)})
@@ -141,6 +144,10 @@ def model_config(config) -> ProLIPConfig:
         if not path.is_file():
             raise FileNotFoundError(f"model.config_json={path} does not exist")
         cfg = ProLIPConfig.from_dict(json.loads(path.read_text()))
+    elif m.variant.startswith("open_clip:"):
+        from prolip_jax.pretrained import openclip
+
+        cfg = openclip.config_from_open_clip(openclip.arch_config(m.variant[len("open_clip:"):]))
     else:
         cfg = get_config(m.variant)
     towers = {}
@@ -250,13 +257,28 @@ def restore(mngr: ocp.CheckpointManager, step: int, model: ProLIP, tx: Any, shar
     (lock, groups, layer_decay) set the optimiser state's layout: a checkpoint saved under other
     ones is restored in its own layout, then its Adam moments move over by parameter path."""
     saved = ckpt_lib.load_config(mngr.directory, step)[1].get("train_config", {}).get("optim", {})
-    saved = {**config.optim.to_dict(), **optim.FINETUNE_DEFAULTS, **saved}
+    saved = {**config.optim.to_dict(), **optim.LAYOUT_DEFAULTS, **saved}
     saved_tx, _ = optim.make_optimizer(saved, config.total_steps, param_shapes, step=step)
     saved_sh = step_lib.state_shardings(model, saved_tx, mesh, config.sharding_rules)
     state = ckpt_lib.restore_train_state(mngr, step, step_lib.abstract_train_state(model, saved_tx, saved_sh), data)
     if jax.tree.structure(saved_sh.opt_state) == jax.tree.structure(shardings.opt_state):
         return state
     return with_optimizer(state, tx, shardings)
+
+
+def save_swa(directory: Path, state: step_lib.TrainState, step: int, mcfg: ProLIPConfig, tokenizer: Any,
+             is_chief: bool) -> None:
+    """The weight average of optim.swa_start_step / swa_every_steps (PCME++ App. B.3, its variant
+    "PCME++ (SWA)"), written at the end of training as a params checkpoint beside the run's own,
+    which scripts/evaluate.py and the converter read like any other. Nothing before the first
+    snapshot."""
+    swa = optim.swa_params(state.opt_state)
+    if int(to_host(swa[1])) == 0:
+        return
+    ckpt_lib.save_params(directory, swa[0], mcfg, step=step, tokenizer=tokenizer,
+                         metadata={"swa": {"snapshots": int(to_host(swa[1])), "step": step}})
+    if is_chief:
+        print(f"SWA: the average of {int(to_host(swa[1]))} snapshots saved in {directory}", flush=True)
 
 
 def with_optimizer(state: step_lib.TrainState, tx: Any, shardings: step_lib.TrainState) -> step_lib.TrainState:
@@ -469,6 +491,8 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
         if mngr.latest_step() != step:
             save(step, force=True)
         mngr.wait_until_finished()
+        if config.optim.get("swa_every_steps", 0):
+            save_swa(workdir / "swa", state, step, mcfg, getattr(data, "tokenizer_file", None), is_chief)
         return last_metrics
     finally:
         profiler.stop()
