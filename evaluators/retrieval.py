@@ -253,11 +253,9 @@ def load_data(config: Mapping[str, Any]) -> EvalSet:
                                   _get(c, "split", "test"), _get(c, "captions_per_image"),
                                   paths(_get(c, "coco_annotations", ())))
     elif kind == "cub":
-        for key in ("image_root", "caption_root", "classes"):
-            if not _get(c, key):
-                raise ValueError(f"retrieval evaluator: dataset='cub' needs {key!r}")
-        data = eval_data.cub_captions(_get(c, "image_root"), _get(c, "caption_root"),
-                                      _get(c, "classes"))
+        if not _get(c, "root"):
+            raise ValueError("retrieval evaluator: dataset='cub' needs 'root' (images/ and text_c10/)")
+        data = eval_data.cub_captions(_get(c, "root"), _get(c, "split", "test"), _get(c, "split_dir", ""))
     elif kind == "tfds":
         data = eval_data.tfds_captions(_get(c, "tfds_name", "coco_captions"),
                                        _get(c, "split", "test"), _get(c, "data_dir"))
@@ -292,8 +290,8 @@ class Evaluator:
         demo: demo=dict(cache_dir=..., <DemoConfig fields>).
         karpathy: karpathy_json, image_root, split ("test"), captions_per_image (5 for COCO),
           coco_annotations (captions_*2014.json paths, optional: real caption ids).
-        cub: image_root (CUB_200_2011/images), caption_root (text_c10), classes (a class-folder
-          list, e.g. testclasses.txt); use with positives="class".
+        cub: root (images/ + text_c10/ as the training source data.source='cub'), split
+          ("test": <split_dir or root>/testclasses.txt), split_dir; use with positives="class".
         tfds: tfds_name ("coco_captions"), split ("test"), data_dir.
         tar: path (tar shards in the training layout, <key>.<image> + <key>.txt; one caption
           per image), num_images (0 = all).

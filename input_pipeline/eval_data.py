@@ -437,40 +437,21 @@ def coco_category_codes(files: Sequence[str], image_ids: Sequence[int]
     return codes, codes.any(1)
 
 
-def cub_captions(image_root: str, caption_root: str, classes_file: str) -> EvalSet:
-    """CUB Captions (Reed et al. 2016; the PCME protocol, DAA seed 004 §5.1.1): the images of
-    the classes listed in `classes_file` (one class folder per line, e.g. Xian et al.'s
-    testclasses.txt: "001.Black_footed_Albatross"), images at image_root/<class>/<name>.jpg
-    (CUB_200_2011/images), captions at caption_root/<class>/<name>.txt (text_c10: 10 lines).
-    info: class_ids int64 [N] (the class folder's number, else its line in the file),
+def cub_captions(root: str, split: str = "test", split_dir: str = "") -> EvalSet:
+    """CUB Captions (Reed et al. 2016; the PCME protocol, DAA seed 004 §5.1.1), read by the
+    training source's parser (input_pipeline/captions.py `read_cub`, the one place for the
+    layout): root/images/<NNN.Class>/<name>.jpg, root/text_c10/<NNN.Class>/<name>.txt (10 lines),
+    the classes of <split_dir or root>/<split>classes.txt (Xian et al.'s testclasses.txt).
+    Every caption of an image is kept. info: class_ids int64 [N] (NNN - 1, as PCME),
     classnames, captions_per_record."""
-    classes = read_list(classes_file, "CUB classes")
-    if not classes:
-        raise ValueError(f"CUB classes file {classes_file!r} lists no class")
-    paths, captions, cap_img, class_ids = [], [], [], []
-    for k, cls in enumerate(classes):
-        cls = cls.strip()
-        folder = _need(os.path.join(image_root, cls), "CUB class image folder")
-        match = re.match(r"^(\d+)\.", cls)
-        for name in sorted(os.listdir(folder)):
-            stem, ext = os.path.splitext(name)
-            if ext.lower() not in IMAGE_EXTENSIONS:
-                continue
-            txt = _need(os.path.join(caption_root, cls, stem + ".txt"), "CUB caption file")
-            with open(txt) as fh:
-                lines = [line.strip() for line in fh if line.strip()]
-            if not lines:
-                raise ValueError(f"CUB caption file {txt} is empty")
-            paths.append(os.path.join(folder, name))
-            captions += lines
-            cap_img += [len(paths) - 1] * len(lines)
-            class_ids.append(int(match.group(1)) if match else k)
-    if not paths:
-        raise FileNotFoundError(f"no CUB images under {image_root!r} for the classes of {classes_file!r}")
-    info = {"class_ids": np.asarray(class_ids, np.int64), "classnames": classes,
-            "captions_per_record": max(np.bincount(cap_img))}
-    return EvalSet("cub", _Records(len(paths), _Files(paths)), captions,
-                   np.asarray(cap_img, np.int64), info)
+    from input_pipeline.captions import read_cub
+
+    index = read_cub(root, (split,), split_dir, captions_per_image=0)
+    info = {"class_ids": index.class_ids,
+            "classnames": sorted({os.path.basename(os.path.dirname(p)) for p in index.image_paths}),
+            "captions_per_record": int(np.diff(index.offsets).max())}
+    return EvalSet("cub", _Records(index.num_images, _Files(index.image_paths)), list(index.captions),
+                   index.pair_image.astype(np.int64), info)
 
 
 # ------------------------------------------------------------------------------ HierarCaps

@@ -326,11 +326,11 @@ def write_cub(root):
     rng = np.random.default_rng(1)
     for cls, n in (("001.Black_footed_Albatross", 2), ("017.Cardinal", 3), ("020.Yellow_Warbler", 1)):
         (root / "images" / cls).mkdir(parents=True)
-        (root / "text" / cls).mkdir(parents=True)
+        (root / "text_c10" / cls).mkdir(parents=True)
         for k in range(n):
             Image.fromarray(rng.integers(0, 255, (18, 20, 3), np.uint8)).save(
                 root / "images" / cls / f"{cls[4:]}_{k}.jpg")
-            (root / "text" / cls / f"{cls[4:]}_{k}.txt").write_text(
+            (root / "text_c10" / cls / f"{cls[4:]}_{k}.txt").write_text(
                 "".join(f"a {cls[4:].lower()} bird {k} {j}\n" for j in range(3)))
     (root / "testclasses.txt").write_text("001.Black_footed_Albatross\n017.Cardinal\n")
     return root
@@ -342,15 +342,14 @@ def test_cub_config_end_to_end(tmp_path):
 
     root = write_cub(tmp_path)
     config = evaluate.load_config(str(ROOT / "configs/eval/cub.py"), [
-        f"--config.image_root={root / 'images'}", f"--config.caption_root={root / 'text'}",
-        f"--config.classes={root / 'testclasses.txt'}", "--config.unc_bins=2"])
+        f"--config.root={root}", "--config.unc_bins=2"])
     ecfg = {k: v for k, v in config.evals.cub.to_dict().items() if k not in evaluate.EVAL_KEYS}
     model, params, tok = micro()
     ev = R.Evaluator(ecfg, model, tokenizer=tok)
     res = dict(ev.run(params))
     data = ev.data()
     assert len(data) == 5 and len(data.captions) == 15       # 020 is not a test class
-    assert data.info["class_ids"].tolist() == [1, 1, 17, 17, 17]
+    assert data.info["class_ids"].tolist() == [0, 0, 16, 16, 16]  # NNN - 1, as PCME
     from input_pipeline.transforms import normalize
     images = np.concatenate([b["image"][b["mask"]] for b in data.batches(8, 16)])
     apply = lambda m, x: jax.jit(lambda p, x: model.apply({"params": p}, x, method=m))(params, x)

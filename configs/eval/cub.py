@@ -3,13 +3,14 @@ class-level positives (every image-caption pair of the same class), R-Precision 
 metric, plus R@K and mAP@R under the same positives, and recall per uncertainty bin with rho.
 
     python scripts/evaluate.py --checkpoint CKPT --out DIR --config configs/eval/cub.py \
-        --config.image_root=/data/CUB_200_2011/images --config.caption_root=/data/cub/text_c10 \
-        --config.classes=/data/cub/testclasses.txt
+        --config.root=/data/cub --config.split=test
 
 Fields (`--config.<field>=value`):
-    image_root     CUB_200_2011/images (<class folder>/<name>.jpg)
-    caption_root   text_c10 of Reed et al. 2016 (<class folder>/<name>.txt, 10 captions)
-    classes        the test class list (Xian et al.'s testclasses.txt, one class folder a line)
+    root           images/<class folder>/<name>.jpg (CUB_200_2011/images) and text_c10/<class
+                   folder>/<name>.txt (Reed et al. 2016, 10 captions): the layout the training
+                   source data.source='cub' reads (input_pipeline/captions.py)
+    split          "test": the classes of <split_dir or root>/testclasses.txt (Xian et al.)
+    split_dir      where <split>classes.txt is; "" = root
     asp            False; True: ASP (TF-IDF) with P = asp_captions_per_image (10 here)
     scores         ("csd",); unc_bins 10; batch_size 256
     tokenizer.kind / tokenizer.path   "" path: the tokenizer recorded with the checkpoint
@@ -23,9 +24,9 @@ import ml_collections as mlc
 def get_config(arg=None):
     del arg
     c = mlc.ConfigDict()
-    c.image_root = ""
-    c.caption_root = ""
-    c.classes = ""
+    c.root = ""
+    c.split = "test"
+    c.split_dir = ""
     c.asp = False
     c.scores = ("csd",)
     c.unc_bins = 10
@@ -33,8 +34,8 @@ def get_config(arg=None):
     c.tokenizer = mlc.ConfigDict(dict(kind="sentencepiece", path=""))
     c.evals = mlc.ConfigDict()
     c.evals.cub = mlc.ConfigDict(dict(
-        type="retrieval", dataset="cub", image_root=c.get_ref("image_root"),
-        caption_root=c.get_ref("caption_root"), classes=c.get_ref("classes"),
+        type="retrieval", dataset="cub", root=c.get_ref("root"), split=c.get_ref("split"),
+        split_dir=c.get_ref("split_dir"),
         positives="class", num_folds=0, asp=c.get_ref("asp"), asp_captions_per_image=10,
         scores=c.get_ref("scores"), unc_bins=c.get_ref("unc_bins"),
         batch_size=c.get_ref("batch_size"), same_modality=()))
