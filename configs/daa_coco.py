@@ -1,0 +1,27 @@
+r"""DAA on PCME (seed 004 §5.2; its code's config/coco/pcme_coco.yaml), on the PCME++ towers.
+
+    python -m prolip_jax.train --config configs/daa_coco.py --workdir W --config.data.caption_file=... \
+        --config.data.image_root=... --config.data.tokenizer.path=bpe_simple_vocab_16e6.txt.gz
+
+| item | paper / code | here |
+|---|---|---|
+| towers | ResNet-152 + BERT-base ("PCME-bert"), D 1024 | CLIP ViT-B/32 with PCME++'s heads |
+| loss | PCME (J = 5, VIB 1e-5, a = b = 15) + 1000 x DAA (tau 0.01) | the same (objective pcme_daa) |
+| semantic map | TF-IDF of the split's captions (code) | in-batch TF-IDF of token ids |
+| optimiser | AdamP lr 1.5e-4, wd 0, clip 2, cosine | the same |
+| phases | 3 warm-up + 27 pre-training (visual trunk frozen) + 40 fine-tuning epochs | 3 warm-up epochs, visual trunk locked until epoch 30, 70 epochs |
+| fine-tuning lr | x0.1 of the cosine (code) | not expressed: one cosine over the 70 epochs |
+| batch | 128 (COCO), 150 (CUB) | the same |
+
+Published (seed 004 Table 1, PCME-bert + DAA, COCO 1K / 5K, i2t then t2i): PMRP 45.9 / 46.7 and
+34.6 / 34.9, R@1 71.2 / 57.8 and 48.2 / 35.1, ASP 58.4 / 57.2 and 58.3 / 57.0. CUB (Table 2):
+R-P 28.2 / 28.5, R@1 53.2 / 37.7, ASP 53.4 / 57.6. Not reproduced here.
+"""
+from pathlib import Path
+
+from prolip_jax import config_args
+
+
+def get_config(arg=None):
+    return config_args.load_config_file(str(Path(__file__).with_name("caption_recipes.py")) + ":method=daa"
+                                        + (f",{arg}" if arg else ""))
