@@ -256,9 +256,9 @@ def _vse_daa():
         daa_tau: float = 0.001
         validate = _validate(base.Config)
 
-    def loss(out, cfg, *, targets=None, masked=None, masked_rows=None, rng=None, mesh=None):
+    def loss(out, cfg, *, targets=None, masked=None, masked_rows=None, rng=None, mesh=None, step=None):
         _, terms = base.loss(out, cfg, targets=targets, masked=masked, masked_rows=masked_rows,
-                             rng=rng, mesh=mesh)
+                             rng=rng, mesh=mesh, step=step)  # step: VSE∞'s sum warm-up
         terms = dict(terms)
         if cfg.daa_beta > 0:
             # S = mu_v . mu_t, the cosine of eq. 5 (mu are unit-norm): one "sample" per input.
@@ -268,7 +268,7 @@ def _vse_daa():
 
     return types.SimpleNamespace(
         Config=VseDaaConfig, loss=loss, NEEDS_LOGVAR=base.NEEDS_LOGVAR, USES_MASKED=base.USES_MASKED,
-        SOFT_TARGETS=False, __doc__="VSE-infinity triplet + DAA (PCME++'s DAA baseline, seed 003).")
+        SOFT_TARGETS=False, USES_STEP=True, __doc__="VSE-infinity triplet + DAA (PCME++'s DAA baseline, seed 003).")
 
 
 def __getattr__(name: str):
