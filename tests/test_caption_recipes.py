@@ -1,5 +1,5 @@
 """The COCO caption recipes (configs/<method>_coco.py): every one parses into a valid trainer
-config at paper size, and the CPU-sized versions of VSE∞ and InfoNCE train in the real trainer
+config at paper size, and the CPU-sized versions of PCME++, Pishdad et al. and VSE∞ train in the real trainer
 on a generated Karpathy-format caption set (demo shapes, five captions per image) and learn:
 held-out colour x shape zero-shot accuracy above 10% (chance 1/36), read back with
 prolip_jax.load from the last checkpoint and from the SWA average."""
@@ -82,11 +82,11 @@ def _zero_shot(checkpoint, test) -> float:
     return float(np.mean(pred == np.array([c for _, c in test])))
 
 
-# The deterministic recipes: they share PCME++'s optimiser (AdamP, the step schedule, SWA from the
-# 16th of 25 epochs), GPO pooling and image SizeAugment. PCME++'s own CPU-sized recipe stays at
-# chance in these 200 steps (its sigma^2 collapse to 0, then a loss plateau, as ProLIP's in the
-# demo): scripts/methods_synthetic.py shows its objective learning.
-@pytest.mark.parametrize("method", ["vse", "infonce"])
+# PCME++ (its objective, MSDA, pseudo-positives, AdamP, step schedule, SWA; ProLIP's [UNC] head
+# at this size, configs/caption_recipes.py CPU_TOWERS), Pishdad et al. (bounded W2 triplet after
+# the sum warm-up) and VSE∞ (mu-only, GPO). pcme, daa and infonce are left out for CI time (pcme
+# measured the same way: 16.7%).
+@pytest.mark.parametrize("method", ["pcmepp", "pishdad", "vse"])
 def test_cpu_recipe_trains_and_learns(method, caption_set, tmp_path):
     root, test = caption_set
     c = train.with_defaults(config_args.load_config_file(f"configs/{method}_coco.py:size=cpu"))
@@ -95,5 +95,5 @@ def test_cpu_recipe_trains_and_learns(method, caption_set, tmp_path):
     c.data.tokenizer.path = str(root / "tokenizer.json")
     train.train(c, str(tmp_path))
     assert _zero_shot(tmp_path / "checkpoints", test) > 0.1  # chance 1/36 = 2.8%
-    assert (tmp_path / "swa").is_dir()  # the weight average, saved beside the run (PCME++ App. B.3)
-    assert _zero_shot(tmp_path / "swa", test) > 0.1
+    if c.optim.swa_every_steps:  # the weight average, saved beside the run (PCME++ App. B.3)
+        assert _zero_shot(tmp_path / "swa", test) > 0.1
