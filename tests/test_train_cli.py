@@ -30,7 +30,7 @@ def _run_main(args, workdir):
      r"config\.model\.dtype='bfloat61' is not one of \('float32', 'bfloat16', 'float16'\)"),
     (["--config", TINY, "--config.data.source=tarr"], r"config\.data\.source='tarr' is not one of \(.*'tar'.*\)"),
     (["--config", TINY, "--config.optim.lrr=1"],
-     r"config\.optim has no field 'lrr'; did you mean config\.optim\.lr\? the fields of config\.optim: b1, b2"),
+     r"config\.optim has no field 'lrr'; did you mean config\.optim\.lr\? the fields of config\.optim: adamp_delta, .*b1, b2"),
     (["--config", TINY, "--config.batch_size=abc"], r"--config\.batch_size=abc: invalid literal"),
     (["--config", TINY, "--config.model.remat=sometimes"], r"config\.model\.remat='sometimes' is not one of"),
     (["--config", TINY, "--config.model.variant=B/17"], r"unknown model variant 'B/17'"),
