@@ -28,7 +28,7 @@ ASP -- Average Semantic Precision (DAA, seed 004 §4.1, Eq. 4-8): per query q, o
   captions (the first P; the first repeated when it has fewer) of psi(gt, caption) -- the same
   number for i2t and t2i (Eq. 7). Hence the name `asp_tfidf`: true CIDEr-D (1-4-grams, x10,
   length penalty, clipping) would give other absolute values. Ties in either ranking: a stable
-  descending argsort (DAA's code takes torch's sort order; REFERENCE §3.3's rule is used here).
+  descending argsort (DAA's code takes torch's sort order; the stable order of this evaluator's other ranks is used here).
 """
 from __future__ import annotations
 

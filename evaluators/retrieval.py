@@ -158,7 +158,7 @@ def binned_ranking(ranks: np.ndarray, unc: np.ndarray, bins: int = 10) -> dict[s
       unc_corr_*: with the bin index (the reference's `eval_ret_unc`, REFERENCE §3.3);
       unc_rho_*:  with the bin's mean uncertainty -- PCME++ (seed 003) Fig. 3 / Table C.5's rho
                   ("the correlation coefficient between the uncertainty and the average R@1";
-                  the bin-level Pearson reading, SEEDS_NOTES §1.10; -1 is ideal).
+                  the paper names no estimator: the bin-level Pearson reading of its Fig. 3; -1 is ideal).
     Negative = uncertain queries are retrieved worse.
     Names: unc_bin{i}_R1, unc_bin{i}_map_at_r, unc_corr_{R1,map_at_r}, unc_rho_{R1,map_at_r}."""
     if len(ranks) == 0:

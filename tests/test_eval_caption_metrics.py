@@ -220,7 +220,7 @@ def write_set(root, n=4):
 
 
 def dense_extras(i_mu, i_lv, t_mu, t_lv, cap_img, codes, keep, v):
-    """PMRP and ASP from dense -CSD scores (REFERENCE §3.3), full argsorts and dense TF-IDF
+    """PMRP and ASP from dense -CSD scores (the reference's eval_ret ranking), full argsorts and dense TF-IDF
     rows v of the protocol's captions (fit on the whole split), independently of the blocks."""
     ui, ut = np.exp(i_lv).sum(1), np.exp(t_lv).sum(1)
     scores = {"i2t": i_mu @ t_mu.T - ut[None] / 2, "t2i": t_mu @ i_mu.T - ui[None] / 2}
