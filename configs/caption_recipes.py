@@ -175,8 +175,8 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
 
     loss = dict(recipe["loss"])
     if "sum_warmup_epochs" in loss:  # cpu: a third of the run, as scripts/methods_synthetic.py
-        loss["sum_warmup_steps"] = CPU_STEPS // 3 if cpu else loss.pop("sum_warmup_epochs") * epoch
-        loss.pop("sum_warmup_epochs", None)
+        epochs = loss.pop("sum_warmup_epochs")
+        loss["sum_warmup_steps"] = CPU_STEPS // 3 if cpu else epochs * epoch
     c.loss = mlc.ConfigDict(loss)
     c.targets = mlc.ConfigDict(dict(recipe["targets"]))
     if cpu:  # generated captions repeat across images (COCO's rarely do): identical ones are positives
