@@ -292,9 +292,12 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = clamp_logit_scale(optax.apply_updates(state.params, updates))
         finite = jnp.isfinite(loss) & all_finite(grads) & all_finite(params) & all_finite(opt_state)
-        keep_new = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-        new_state = TrainState(step=state.step + 1, params=keep_new(params, state.params),
-                               opt_state=keep_new(opt_state, state.opt_state),
+        # One conditional, not a `jnp.where(finite, ...)` per leaf: XLA:CPU fuses the whole
+        # `finite` reduction (an `and` per leaf) into every leaf's select, a program quadratic in
+        # the number of leaves (the small model's step: 143 MB of HLO, 4 minutes to compile).
+        params, opt_state = jax.lax.cond(finite, lambda: (params, opt_state),
+                                         lambda: (state.params, state.opt_state))
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                                skipped=state.skipped + (~finite).astype(jnp.int32))
         metrics = {
             "loss": loss, **{f"loss/{name}": v for name, v in terms.items()},
