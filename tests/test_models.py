@@ -224,3 +224,19 @@ def test_deterministic_tower_layouts():
         prolip.replace(text=dataclasses.replace(t, embed_unc=False))
     with pytest.raises(ValueError, match="no causal mask"):
         prolip.replace(text=dataclasses.replace(t, causal=True))
+
+
+def test_materialize_cotangent_is_the_identity_and_fences_only_on_cpu():
+    from prolip_jax.models.transformer import materialize_cotangent
+
+    x = jnp.linspace(-2.0, 3.0, 12).reshape(3, 4)
+    f = lambda x: jnp.sum(jnp.sin(materialize_cotangent(x)) * x)  # noqa: E731
+    want = jnp.sin(x) + x * jnp.cos(x)
+    np.testing.assert_array_equal(jax.jit(jax.grad(f))(x), want)
+    # A NaN gradient stays non-finite (the fence's other branch): the step's guard still sees it.
+    g = jax.jit(jax.grad(lambda x: jnp.sum(materialize_cotangent(x) * jnp.where(x < -1.9, jnp.nan, 1.0))))(x)
+    assert not np.isfinite(np.asarray(g)).any()
+    # The fence (a conditional on `g[0] == g[0]`) is in the CPU program only.
+    traced = jax.jit(jax.grad(f)).trace(x)
+    assert "stablehlo.compare" in traced.lower(lowering_platforms=("cpu",)).as_text()
+    assert "stablehlo.compare" not in traced.lower(lowering_platforms=("tpu",)).as_text()
