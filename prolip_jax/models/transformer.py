@@ -212,9 +212,9 @@ def _materialize_fwd(x):
 
 def _materialize_bwd(_, g):
     def fence(g):
-        # Both branches give g's value: the second runs only when g's first element is NaN,
-        # and then every weight gradient is NaN either way (the step is skipped). Two different
-        # branches keep XLA from simplifying the conditional away.
+        # The second branch runs only when g's first element is NaN; the weight gradients then
+        # hold a NaN with or without it, and the step's non-finite guard skips the update. Two
+        # different branches keep XLA from simplifying the conditional away.
         first = g.reshape(-1)[0]
         return jax.lax.cond(first == first, lambda y: y, lambda y: jnp.full_like(y, jnp.nan), g)
 
