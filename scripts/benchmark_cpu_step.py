@@ -9,6 +9,11 @@ config's ProLIP loss, AdamW, donated state) on one CPU device. Theirs: scripts/t
 `torch.set_num_threads(threads)`). Both get the same batch; the two steps alternate, one
 each per repeat, so a load spike from other processes hits both, and the medians are compared.
 
+`--profile DIR` also traces 3 of our steps with `jax.profiler` into DIR and prints where they
+spend their time: XLA:CPU thunk time per kind of thunk (`ynn_fusion` = YNNPACK matmuls,
+`copy_bitcast_fusion` = transposes, ...), summed over threads, per step. This is how the levers in
+docs/performance.md were found.
+
 Threads: torch uses `--threads`; XLA's CPU thread pool takes the cores this process may run on
 (on a larger machine pin both with `taskset -c 0,1`). Needs torch (`pip install torch==2.13.0`).
 """
@@ -23,6 +28,34 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 
 DEFAULT_CONFIG = "configs/own_data.py:size=small"  # 64 px, patch 8, width 256, 6 + 6 layers
+
+
+def thunk_times(trace_dir: str, steps: int) -> list[tuple[str, float, int]]:
+    """[(thunk kind, ms per step, count per step)], largest first, from the perfetto trace that
+    `jax.profiler.trace(trace_dir, create_perfetto_trace=True)` wrote over `steps` steps. A kind is
+    a thunk's (HLO instruction's) name without its `.N` suffix; runtime events are left out."""
+    import collections
+    import glob
+    import gzip
+    import json
+    import re
+
+    files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+    if not files:
+        raise SystemExit(f"no perfetto trace (*.trace.json.gz) under {trace_dir}")
+    with gzip.open(max(files, key=os.path.getmtime)) as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    hlo_name = re.compile(r"([a-z][a-z0-9_-]*)(\.\d+)?")  # thunks carry their HLO instruction's name
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        m = hlo_name.fullmatch(e.get("name", ""))
+        if e.get("ph") != "X" or "dur" not in e or m is None:
+            continue  # runtime bookkeeping ("ThunkExecutor::Execute", "$api.py:...", ...)
+        kind = m.group(1)
+        total[kind] += e["dur"]  # microseconds
+        count[kind] += 1
+    return [(k, us / 1e3 / steps, count[k] // steps) for k, us in total.most_common()]
 
 
 def build_ours(config, batch: int, images, tokens):
@@ -55,6 +88,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each first")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--set", action="append", default=[], help="field=value config override, repeatable")
+    p.add_argument("--profile", metavar="DIR", help="trace 3 of our steps into DIR, print thunk time per kind")
     args = p.parse_args()
 
     from torch_step import TORCH_MISSING, TorchTrainStep  # scripts/torch_step.py
@@ -135,6 +169,15 @@ def main() -> None:
         # OpenMP's spinning barriers (torch) lose far more than XLA's pool to other processes.
         print(f"warning: load average {load1:.1f} on {os.cpu_count()} cores: other processes share them; "
               "the ratio is only meaningful on an idle machine")
+    if args.profile:
+        with jax.profiler.trace(args.profile, create_perfetto_trace=True):
+            for _ in range(3):
+                run_ours()
+        rows = thunk_times(args.profile, 3)
+        print(f"our step's thunk time, summed over threads ({sum(r[1] for r in rows):.0f} ms per step; trace in "
+              f"{args.profile}):")
+        for kind, ms, n in rows[:15]:
+            print(f"  {ms:8.1f} ms  {n:5d} per step  {kind}")
 
 
 if __name__ == "__main__":
