@@ -1,5 +1,5 @@
 """The COCO caption recipes (configs/<method>_coco.py): every one parses into a valid trainer
-config at paper size, and the CPU-sized versions of PCME++ and Pishdad et al. train in the real trainer
+config at paper size, and the CPU-sized versions of PCME++, Pishdad et al., VSE∞, PCME and InfoNCE train in the real trainer
 on a generated Karpathy-format caption set (demo shapes, five captions per image) and learn:
 held-out colour x shape zero-shot accuracy above 10% (chance 1/36), read back with
 prolip_jax.load from the last checkpoint and (PCME++) from the SWA average."""
