@@ -13,6 +13,9 @@ r"""DAA on PCME (seed 004 §5.2; its code's config/coco/pcme_coco.yaml), on the 
 | fine-tuning lr | x0.1 of the cosine (code) | not expressed: one cosine over the 70 epochs |
 | batch | 128 (COCO), 150 (CUB) | the same |
 
+`:size=cpu` (batch 32, random tiny towers) scales the DAA weight to 1000 x (32/128)^2 = 62.5: at
+1000 both towers collapse to one point each (configs/caption_recipes.py has the measurements).
+
 Published (seed 004 Table 1, PCME-bert + DAA, COCO 1K / 5K, i2t then t2i): PMRP 45.9 / 46.7 and
 34.6 / 34.9, R@1 71.2 / 57.8 and 48.2 / 35.1, ASP 58.4 / 57.2 and 58.3 / 57.0. CUB (Table 2):
 R-P 28.2 / 28.5, R@1 53.2 / 37.7, ASP 53.4 / 57.6. Not reproduced here.
