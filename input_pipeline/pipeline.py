@@ -18,9 +18,11 @@ data.max_truncated_share (truncation is silent otherwise: a cut class word is ju
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
+import sys
 from typing import Any, Callable, Mapping, Sequence
 
 import grain
@@ -67,6 +69,31 @@ class _BatchDataset(grain.IterDataset):
 
     def __str__(self) -> str:
         return f"_BatchDataset(batch_size={self.batch_size}, train={self.train})"
+
+
+_MADV_POPULATE_WRITE = 23   # Linux >= 5.14 (uapi/asm-generic/mman-common.h)
+_madvise = None
+
+
+def _prefault(array: np.ndarray) -> np.ndarray:
+    """Maps in all pages of a fresh shared-memory batch in one madvise call. Each batch is a new
+    segment (grain's protocol), so writing the images into it would otherwise fault every 4 KB
+    page in one by one: ~125 us of system time per 224 px image, ~100 us with this
+    (scripts/benchmark_input.py measures the pipeline). Without the call (not Linux, an older
+    kernel) the pages fault in on first write as before; the contents are the same."""
+    global _madvise
+    if _madvise is None:
+        _madvise = False
+        if sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                _madvise = libc.madvise
+            except (OSError, AttributeError):
+                pass
+    if _madvise and array.nbytes and _madvise(array.ctypes.data, array.nbytes, _MADV_POPULATE_WRITE):
+        _madvise = False   # EINVAL: a kernel without it; stop asking
+    return array
 
 
 class _BatchIterator(grain.DatasetIterator):
@@ -148,7 +175,7 @@ class _BatchIterator(grain.DatasetIterator):
         """An uninitialised array; in shared memory if it is what leaves the worker."""
         if final and self._ds.shared_memory:
             from grain._src.python.ipc import shared_memory_array
-            return shared_memory_array.SharedMemoryArray(shape, dtype)
+            return _prefault(shared_memory_array.SharedMemoryArray(shape, dtype))
         return np.empty(shape, dtype)
 
     def get_state(self) -> dict[str, Any]:

@@ -160,3 +160,15 @@ def test_normalized_statistics_of_natural_images():
     assert np.isfinite(out).all()
     assert -1.8 <= out.min() and out.max() <= 2.2   # (0 - .48)/.27 .. (1 - .41)/.28
     assert abs(out.mean()) < 0.5
+
+
+def test_record_rng_is_default_rng_of_the_key():
+    """decode.record_rng builds the per-record Generator from uint32 words: the stream must be
+    np.random.default_rng((seed, *rng_key))'s, also for keys past 32 bits (the tuple path)."""
+    from input_pipeline.decode import record_rng
+
+    for seed, key in [(0, (0, 0)), (0, (3, 123_456)), (2**32 - 1, (7, 2**31)), (5, (1, 2, 3)),
+                      (0, (2**32, 1)), (2**40 + 3, (0, 9)), (np.int64(4), (np.int64(2), np.uint32(8)))]:
+        want = np.random.default_rng((seed, *key)).random(8)
+        np.testing.assert_array_equal(record_rng(seed, key).random(8), want)
+    assert not np.array_equal(record_rng(0, (0, 1)).random(4), record_rng(0, (1, 0)).random(4))

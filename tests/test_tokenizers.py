@@ -54,6 +54,28 @@ def test_canonicalize_cleaning(raw, expected):
     assert T.get_clean_fn("canonicalize")(raw) == expected
 
 
+def test_basic_clean_ascii_fast_path_matches_ftfy():
+    """basic_clean skips ftfy for printable ASCII without '&': the result must be what the full
+    path (ftfy.fix_text, html.unescape twice, strip) gives, on captions made of every printable
+    ASCII character, and the full path must still run for text just outside the fast path."""
+    import html
+
+    import ftfy
+
+    def full(text):
+        return html.unescape(html.unescape(ftfy.fix_text(text))).strip()
+
+    rng = random.Random(0)
+    printable = [chr(c) for c in range(0x20, 0x7F) if chr(c) != "&"]
+    texts = ["".join(rng.choice(printable) for _ in range(rng.randint(0, 40))) for _ in range(3000)]
+    texts += ["  A photo of a cat.  ", "it's 5 o'clock", "x < y > z", "a;lt;b", "#38; nbsp; #x26;"]
+    for text in texts:
+        assert T.basic_clean(text) == full(text), repr(text)
+    # Outside the fast path (entity, control character, CR, non-ASCII): ftfy's result.
+    for text in ["Tom &amp; Jerry", "a\x07b", "a\r\nb", "doesn\u00e2\u20ac\u2122t", "caf\u00c3\u00a9"]:
+        assert T.basic_clean(text) == full(text) != text.strip(), repr(text)
+
+
 def test_other_clean_modes():
     raw = "  Hello,\t World!  &amp;amp; "
     assert T.get_clean_fn("whitespace")(raw) == "Hello, World! &"
