@@ -79,6 +79,9 @@ class ModelOptions:
     attention_impl: Literal["auto", "xla", "cudnn"] = "auto"
     init_logit_scale: float = PAPER_INIT_LOGIT_SCALE  # log a
     init_logit_bias: float | None = None  # b; None: the variant's (ProLIP: -10)
+    # The joint embedding's size (mu, sigma^2); 0: the variant's. PCME++ on COCO: 1024 on CLIP's
+    # 512-d trunks (seed 003 App. B.2), with config.init.fresh for the new projections.
+    embed_dim: int = 0
     vision: Any = dataclasses.field(default_factory=dict)
     text: Any = dataclasses.field(default_factory=dict)
 
@@ -155,8 +158,12 @@ def model_config(config) -> ProLIPConfig:
         if overrides:
             base = getattr(cfg, side)
             towers[side] = schema.parse(type(base), {**dataclasses.asdict(base), **overrides}, f"config.model.{side}")
-    bias = {} if m.init_logit_bias is None else {"init_logit_bias": m.init_logit_bias}
-    return cfg.replace(init_logit_scale=m.init_logit_scale, **bias, **towers)
+    extra = {} if m.init_logit_bias is None else {"init_logit_bias": m.init_logit_bias}
+    if m.embed_dim < 0:
+        raise ValueError(f"config.model.embed_dim={m.embed_dim} must be > 0 (or 0: the variant's)")
+    if m.embed_dim:
+        extra["embed_dim"] = m.embed_dim
+    return cfg.replace(init_logit_scale=m.init_logit_scale, **extra, **towers)
 
 
 def step_config(config) -> step_lib.StepConfig:

@@ -62,7 +62,8 @@ def test_same_prolip_is_the_source_exactly():
     params, report = warm_start(MICRO, init(MICRO, 0), MICRO, source)
     assert jax.tree.structure(params) == jax.tree.structure(source)
     assert all(np.array_equal(a, b) and a.dtype == np.float32 for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(source)))
-    assert report.counts() == {"loaded": len(jax.tree.leaves(source)), "resized": 0, "new": 0, "dropped": 0}
+    assert report.counts() == {"loaded": len(jax.tree.leaves(source)), "resized": 0, "new": 0, "fresh": 0,
+                               "dropped": 0}
     out, ref = forward(MICRO, params), forward(MICRO, source)
     assert all(np.array_equal(out[k], ref[k]) for k in ref)
 
@@ -282,3 +283,37 @@ def test_clip_into_pcmepp_and_pishdad_heads():
             assert f"{tower}/transformer/resblocks_0/c_fc/kernel" in rows(report, "loaded")
         outside_heads = {n for n in new if "/" in n and not n.split("/")[1].startswith(heads)}
         assert outside_heads <= {"visual/positional_embedding", "text/text_projection/bias"}, outside_heads
+
+
+def test_fresh_projections_at_another_embed_dim():
+    """PCME++'s recipe: CLIP's trunks with a new, wider joint embedding. Without config.init.fresh
+    the projections' shapes are a mismatch (an error naming them); with it they keep the target's
+    fresh initialisation at the new width and everything else of the trunk is loaded."""
+    src_cfg = clip_like(MICRO)
+    heads = dict(unc_head="block", pool="gpo")
+    target = with_(MICRO, heads, dict(heads, pad_id=1), embed_dim=2 * MICRO.embed_dim)
+    source, fresh = init(src_cfg, 1), init(target, 0)
+    with pytest.raises(ValueError, match=r"visual/proj: target \(32, 64\), source \(32, 32\)"):
+        warm_start(target, fresh, src_cfg, source, source_absent=("logit_bias",))
+    patterns = ("^visual/proj$", "^text/text_projection/")
+    params, report = warm_start(target, fresh, src_cfg, source, source_absent=("logit_bias",), fresh=patterns)
+    assert rows(report, "fresh") == {"visual/proj", "text/text_projection/kernel"}
+    np.testing.assert_array_equal(params["visual"]["proj"], fresh["visual"]["proj"])
+    np.testing.assert_array_equal(params["text"]["text_projection"]["kernel"], fresh["text"]["text_projection"]["kernel"])
+    assert params["visual"]["proj"].shape == (32, 64)
+    np.testing.assert_array_equal(params["visual"]["transformer"]["resblocks_0"]["c_fc"]["kernel"],
+                                  source["visual"]["transformer"]["resblocks_0"]["c_fc"]["kernel"])
+    assert "visual/transformer/resblocks_0/c_fc/kernel" in rows(report, "loaded")
+    assert report.counts()["fresh"] == 2 and "fresh" in report.table()
+    # Same shapes: fresh still wins over the source.
+    _, same = warm_start(MICRO, init(MICRO, 0), MICRO, init(MICRO, 1), fresh=("^visual/proj$",))
+    assert rows(same, "fresh") == {"visual/proj"}
+
+
+def test_fresh_knob_errors():
+    base = {"path": "/nonexistent/model.safetensors"}
+    for bad, message in (("visual/proj", "must be a tuple of regexes"), (("visual/(proj",), "not a regular expression")):
+        with pytest.raises(ValueError, match=message):
+            init_from_config({**base, "fresh": bad}, MICRO, {"logit_scale": np.zeros(())})
+    with pytest.raises(ValueError, match=r"fresh=\('\^visual/projection\$',\) matches no parameter"):
+        warm_start(MICRO, init(MICRO, 0), MICRO, init(MICRO, 1), fresh=("^visual/projection$",))

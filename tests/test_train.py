@@ -166,6 +166,21 @@ def test_bad_configs_fail_before_compiling(tmp_path):
         train.train(cfg, str(tmp_path / "f"))
 
 
+def test_model_embed_dim_override(tmp_path):
+    """config.model.embed_dim replaces the variant's joint embedding size (PCME++'s 1024-d on
+    CLIP's trunks); 0 keeps it; a negative size or one the towers cannot take is an error."""
+    base = train.model_config(tiny_config(tmp_path))
+    assert train.model_config(tiny_config(tmp_path, **{"model.embed_dim": 0})) == base
+    heads = {"model.vision": {"unc_head": "block", "pool": "gpo"},
+             "model.text": {"unc_head": "block", "pool": "gpo", "pad_id": 0}}
+    wide = train.model_config(tiny_config(tmp_path, **heads, **{"model.embed_dim": 2 * base.embed_dim}))
+    assert wide.embed_dim == 2 * base.embed_dim and wide.vision.width == base.vision.width
+    with pytest.raises(ValueError, match="config.model.embed_dim=-1 must be > 0"):
+        train.model_config(tiny_config(tmp_path, **{"model.embed_dim": -1}))
+    with pytest.raises(ValueError, match="text width .* must equal embed_dim"):   # ProLIP's text head
+        train.model_config(tiny_config(tmp_path, **{"model.embed_dim": 2 * base.embed_dim}))
+
+
 def test_nonfinite_run_stops_with_last_good_checkpoint(tmp_path):
     """lr = NaN makes every update non-finite from finite gradients: each step is skipped, K in
     a row stop the run, the message names the flagged steps and a checkpoint that is good, and

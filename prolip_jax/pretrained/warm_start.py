@@ -10,6 +10,8 @@ Every target parameter is one of
     new      not in the source: keeps the target's fresh initialisation, which is the
              reference's (vit.py / text.py: [UNC] tokens, uncertainty projections with bias
              -10, [CLS] where the source had a MAP head, CLIP's missing text_projection bias)
+    fresh    in the source but matched by `config.init.fresh`: keeps the target's fresh
+             initialisation at any shape (PCME++'s new 1024-d projections on CLIP's trunks)
 and every source parameter without a place in the target (SigLIP's MAP head and patch bias,
 ...) is `dropped`. Anything else whose shape differs (another width, layer count, patch
 size) is an unexpected mismatch: a ValueError naming each parameter with both shapes, raised
@@ -52,6 +54,11 @@ class InitConfig:
     # Rows of a larger target vocabulary: 'zeros' (the issue's zero padding) or 'fresh' (the
     # target's initialisation, which is what naver-ai/prolip `resize_prolip_tok_embed` does).
     vocab_pad: Literal["zeros", "fresh"] = "zeros"
+    # Regexes (re.search on paths such as 'visual/proj', 'text/text_projection/kernel'): target
+    # parameters that keep their fresh initialisation although the source has them, at any shape.
+    # PCME++ (seed 003 App. B.2; naver-ai/pcmepp `embed_size: 1024`) puts a new 1024-d Linear on
+    # CLIP's 512-d trunks: `model.embed_dim=1024` plus fresh=("^visual/proj$", "^text/text_projection/").
+    fresh: tuple[str, ...] = ()
 
     def validate(self) -> None:
         resolve_init_config(dataclasses.asdict(self))
@@ -59,7 +66,7 @@ class InitConfig:
 
 DEFAULTS = dataclasses.asdict(InitConfig())
 
-KINDS = ("loaded", "resized", "new", "dropped")
+KINDS = ("loaded", "resized", "new", "fresh", "dropped")
 
 # Parameters that exist only with some architecture options (VisionConfig / TextConfig fields),
 # so a source or a target may lack them. Any other difference in the parameter set means
@@ -93,7 +100,7 @@ class WarmStartReport:
         return {k: sum(r.kind == k for r in self.rows) for k in KINDS}
 
     def summary(self) -> str:
-        counts = ", ".join(f"{n} {k}" for k, n in self.counts().items())
+        counts = ", ".join(f"{n} {k}" for k, n in self.counts().items() if n or k != "fresh")
         return f"warm start from {self.source} ({self.format}): {counts}"
 
     def table(self) -> str:
@@ -151,6 +158,14 @@ def resolve_init_config(init_cfg: Mapping[str, Any] | None) -> dict[str, Any]:
         raise ValueError(f"config.init.vocab_pad={cfg['vocab_pad']!r} is not 'zeros' or 'fresh'")
     if int(cfg["text_pos_keep"]) < 0:
         raise ValueError(f"config.init.text_pos_keep={cfg['text_pos_keep']} must be >= 0")
+    if isinstance(cfg["fresh"], str):
+        raise ValueError(f"config.init.fresh={cfg['fresh']!r} must be a tuple of regexes, not a string")
+    cfg["fresh"] = tuple(cfg["fresh"])
+    for pattern in cfg["fresh"]:
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as e:
+            raise ValueError(f"config.init.fresh: {pattern!r} is not a regular expression ({e})") from None
     return cfg
 
 
@@ -180,43 +195,47 @@ def prepare(init_cfg: Mapping[str, Any] | None, target: ProLIPConfig, param_shap
     src_config, src_params, imported = load_pretrained(cfg["path"], format=cfg["format"], arch=cfg["arch"] or None)
     absent = tuple(imported.filled)
     check_fit(target, param_shapes, src_config, {k: v for k, v in _flatten(src_params).items() if k not in absent},
-              int(cfg["text_pos_keep"]))
+              int(cfg["text_pos_keep"]), cfg["fresh"])
 
     def apply(fresh_params: Mapping[str, Any]) -> tuple[dict, WarmStartReport]:
         return warm_start(target, fresh_params, src_config, src_params, source_absent=absent,
                           text_pos_keep=int(cfg["text_pos_keep"]), vocab_pad=cfg["vocab_pad"],
-                          source=imported.source, format=imported.format)
+                          fresh=cfg["fresh"], source=imported.source, format=imported.format)
 
     return apply
 
 
 def check_fit(target: ProLIPConfig, param_shapes: Mapping[str, Any], source_config: ProLIPConfig,
-              source_shapes: Mapping[str, Any], text_pos_keep: int = DEFAULTS["text_pos_keep"]) -> None:
+              source_shapes: Mapping[str, Any], text_pos_keep: int = DEFAULTS["text_pos_keep"],
+              fresh: tuple[str, ...] = ()) -> None:
     """Raises the ValueError `warm_start` would raise, from shapes alone (anything with `.shape`)."""
-    _check(_flatten(param_shapes, as_array=False), _flatten(source_shapes, as_array=False))
+    _check(_flatten(param_shapes, as_array=False), _flatten(source_shapes, as_array=False), fresh)
     _check_text_keep(target, source_config, text_pos_keep)
 
 
 def warm_start(target: ProLIPConfig, fresh_params: Mapping[str, Any], source_config: ProLIPConfig,
                source_params: Mapping[str, Any], *, source_absent: tuple[str, ...] = (),
-               text_pos_keep: int = 20, vocab_pad: str = "zeros", source: str = "source",
-               format: str = "") -> tuple[dict, WarmStartReport]:
+               text_pos_keep: int = 20, vocab_pad: str = "zeros", fresh: tuple[str, ...] = (),
+               source: str = "source", format: str = "") -> tuple[dict, WarmStartReport]:
     """Target params (host float32 numpy, the tree of `fresh_params`) + the report.
 
     target / fresh_params: the model to train and its fresh initialisation (`init_params`).
     source_config / source_params: an imported model (`load_pretrained`), any family.
     source_absent: paths the importer filled in without the source having them (its
       `ImportReport.filled`, e.g. OpenAI CLIP's 'logit_bias'): treated as absent.
-    text_pos_keep, vocab_pad: see DEFAULTS.
+    text_pos_keep, vocab_pad, fresh: see InitConfig.
     """
+    keep_fresh, fresh_patterns = _matcher(fresh), tuple(fresh)
     fresh = _flatten(fresh_params)
     src = {k: v for k, v in _flatten(source_params).items() if k not in source_absent}
-    _check(fresh, src)
+    _check(fresh, src, fresh_patterns)
 
     out: dict[str, np.ndarray] = {}
     rows: list[Row] = []
     for name, init in fresh.items():
-        if name == "visual/positional_embedding":
+        if name in src and keep_fresh.pattern and keep_fresh.search(name):
+            out[name], kind, note = init, "fresh", "config.init.fresh: the target's initialisation"
+        elif name == "visual/positional_embedding":
             out[name], kind, note = _image_positions(target, init, source_config, src[name])
         elif name == "text/positional_embedding":
             out[name], kind, note = _text_positions(target, init, source_config, src[name], text_pos_keep)
@@ -238,10 +257,22 @@ def warm_start(target: ProLIPConfig, fresh_params: Mapping[str, Any], source_con
     return params, WarmStartReport(source, format or "params", rows)
 
 
-def _check(fresh: Mapping[str, np.ndarray], src: Mapping[str, np.ndarray]) -> None:
+def _matcher(patterns: tuple[str, ...]) -> re.Pattern:
+    """One regex for config.init.fresh's patterns (an empty pattern when there are none)."""
+    return re.compile("|".join(f"(?:{p})" for p in patterns))
+
+
+def _check(fresh: Mapping[str, np.ndarray], src: Mapping[str, np.ndarray], keep_fresh: tuple[str, ...] = ()
+           ) -> None:
     """Every difference must be one warm_start knows how to bridge; else one error naming all."""
     problems = []
+    fresh_match = _matcher(keep_fresh)
+    if keep_fresh and not any(fresh_match.search(n) for n in set(fresh) & set(src)):
+        raise ValueError(f"config.init.fresh={keep_fresh!r} matches no parameter that the source and the target "
+                         "share (paths look like 'visual/proj', 'text/text_projection/kernel')")
     for name in sorted(set(fresh) | set(src)):
+        if name in fresh and name in src and fresh_match.pattern and fresh_match.search(name):
+            continue   # keeps the target's init: any shape
         if name in fresh and name in src:
             a, b = fresh[name].shape, src[name].shape
             if name in _RESIZABLE:
