@@ -8,9 +8,9 @@ r"""DAA on PCME (seed 004 §5.2; its code's config/coco/pcme_coco.yaml), on the 
 | towers | ResNet-152 + BERT-base ("PCME-bert"), D 1024 | CLIP ViT-B/32 with PCME++'s heads |
 | loss | PCME (J = 5, VIB 1e-5, a = b = 15) + 1000 x DAA (tau 0.01) | the same (objective pcme_daa) |
 | semantic map | TF-IDF of the split's captions (code) | in-batch TF-IDF of token ids |
-| optimiser | AdamP lr 1.5e-4, wd 0, clip 2, cosine | the same |
-| phases | 3 warm-up + 27 pre-training (visual trunk frozen) + 40 fine-tuning epochs | 3 warm-up epochs, visual trunk locked until epoch 30, 70 epochs |
-| fine-tuning lr | x0.1 of the cosine (code) | not expressed: one cosine over the 70 epochs |
+| optimiser | AdamP lr 1.5e-4, wd 0, clip 2 | the same |
+| phases | 3 warm-up + 27 pre-training (visual trunk frozen) + 40 fine-tuning epochs | the same: visual trunk locked until epoch 30 |
+| lr schedule (code: train_coco.py) | cosine T_max 30 epochs over pre-training; fine-tuning restarts it at lr x0.1 with a new optimiser (rising again after its epoch 30), stepped per epoch, from the best pre-training checkpoint | schedule "cosine_phases" (prolip_jax/optim.py): the same lrs, by update count (no per-epoch staircase); Adam moments carried over; the last pre-training step, not the best |
 | batch | 128 (COCO), 150 (CUB) | the same |
 
 `:size=cpu` (batch 32, random tiny towers) scales the DAA weight to 1000 x (32/128)^2 = 62.5: at

@@ -15,7 +15,7 @@ Args as configs/caption_recipes.py (dataset=coco|flickr30k|cub, size=paper|cpu, 
 | optimiser | AdamP, lr 5e-4, betas (0.9, 0.999), eps 1e-8, wd 1e-4 | the same (optim.name=adamp) |
 | lr schedule | constant, x0.1 for the last 10 epochs | step schedule at 15/25 |
 | layer-wise lr decay; backbone lr | 0.7; visual x0.01, text x0.1 | the same (layer_decay, groups) |
-| visual backbone | frozen 2 epochs, then 1 epoch of linear warm-up | locked, unlock_step 2 epochs, unlock_warmup_steps 1 epoch |
+| visual backbone | frozen 2 epochs, then 1 epoch of linear warm-up (code: `embedding_warmup_epochs 2` + `embedding_warmup_after_freeze`, the whole loss x (batch + 1) / batches in epoch 2) | locked, unlock_step 2 epochs, unlock_warmup_steps 1 epoch, unlock_warmup_form "loss" (the code's loss ramp) |
 | grad clip | 2 (code) | 2 |
 | loss | a = b = 5 init, PP alpha 0.1, VIB beta 1e-4, MSDA 25% (Mixup / CutMix, Beta(2, 2)) | the same |
 | SizeAugment | images and captions | images only (CLIP BPE has no [MASK] id) |

@@ -32,6 +32,15 @@ parameter path, e.g.
   over this many steps from unlock_step: x (step - unlock_step + 1) / unlock_warmup_steps, like the
   reference's warm-up (PCME++ §3.1 / App. B.2: the visual backbone frozen for 2 epochs, then "a linear LR
   warmup during the first epoch after unfreezing"). 0: none.
+- unlock_warmup_form: what that warm-up ramps. "lr" (above, the paper's words) or "loss": the whole
+  loss, hence every parameter's gradient before clipping and the optimiser, is multiplied by
+  (step - unlock_step + 1) / unlock_warmup_steps over those steps, as the code of PCME++
+  (naver-ai/pcmepp pcmepp/engine.py: `embedding_warmup_after_freeze`, loss x (batch_idx + 1) /
+  num_training_batches in epoch `embedding_warmup_epochs` 2, the first after the 2-epoch freeze)
+  and of VSE∞ (woodfrog/vse_infty train.py: loss x i / num_loader_iter, i from 0, in epoch
+  `embedding_warmup_epochs`) do. Under Adam(P) that is not an lr warm-up: a fresh parameter's
+  first steps are full-size (m and sqrt(v) scale alike); parameters with older, larger second
+  moments get smaller steps until v adapts. See `scale_by_loss_ramp`.
 Decoupled weight decay follows torch's AdamW per parameter group: p -= lr * lr_mult * wd * p.
 
 Recipes of the COCO seed papers (PCME++ seed 003 App. B.2 / Table B.1, Pishdad et al. seed 001 §4.2,
@@ -45,6 +54,10 @@ DAA seed 004 §5.2); fields of `config.optim`, defaults in OptimConfig:
   multiplied by step_factor (0.1) at each of step_boundaries: global steps (ints) or fractions of
   total_steps (floats in (0, 1)). PCME++: constant, x0.1 for the last 10 of 25 epochs (0.6);
   Pishdad et al.: /10 at epoch 15 of 30 (0.5).
+  "cosine_phases": DAA's two phases (seed 004 §5.2; its code's train_coco.py, engine/trainer.py,
+  optimizers/__init__.py, config/coco/pcme_coco.yaml): see `warmup_cosine_phases`. A cosine of
+  period cosine_steps (torch's CosineAnnealingLR T_max, going on past it), restarted from its top
+  at each of step_boundaries with the base lr x step_factor^k, the linear warm-up in front.
 - swa_start_step, swa_every_steps: stochastic weight averaging (PCME++ App. B.3; its code:
   swa_start_epoch 16, swa_per_epochs 1). The parameters after n updates, for n = swa_start_step,
   swa_start_step + swa_every_steps, ..., are averaged with equal weights (torch.optim.swa_utils'
@@ -87,14 +100,16 @@ class OptimConfig:
     groups: Any = ()  # dicts of GROUP_KEYS
     layer_decay: float = 1.0
     unlock_warmup_steps: int = 0  # linear lr warm-up of the parameters that unlock at unlock_step
+    unlock_warmup_form: Literal["lr", "loss"] = "lr"  # what unlock_warmup_steps ramps (module docstring)
     # The COCO recipes of the seed papers (module docstring); the defaults are the reference's.
     name: Literal["adamw", "adamp"] = "adamw"
     adamp_delta: float = 0.1  # AdamP's delta (clovaai/AdamP adamp.py default)
     adamp_wd_ratio: float = 0.1  # AdamP's wd_ratio: weight decay x this where the projection applies
     adamp_nesterov: bool = False
-    schedule: Literal["warmup_cosine", "step"] = "warmup_cosine"
-    step_boundaries: tuple[int | float, ...] = ()  # schedule "step": global steps, or fractions of total_steps
-    step_factor: float = 0.1  # schedule "step": the lr multiplier at each boundary
+    schedule: Literal["warmup_cosine", "step", "cosine_phases"] = "warmup_cosine"
+    step_boundaries: tuple[int | float, ...] = ()  # "step" / "cosine_phases": global steps, or fractions of total_steps
+    step_factor: float = 0.1  # "step" / "cosine_phases": the lr multiplier at each boundary
+    cosine_steps: int = 0  # "cosine_phases": the cosine's period T_max in steps (warmup_cosine_phases)
     swa_start_step: int = 0  # the first averaged parameters: those after this many updates
     swa_every_steps: int = 0  # then every this many updates; 0: no weight averaging
 
@@ -109,8 +124,8 @@ class OptimConfig:
 FINETUNE_DEFAULTS = {k: getattr(OptimConfig(), k) for k in ("locked", "unlock_step", "groups", "layer_decay")}
 # The recipe fields (module docstring) and their defaults.
 RECIPE_DEFAULTS = {k: getattr(OptimConfig(), k) for k in (
-    "unlock_warmup_steps", "name", "adamp_delta", "adamp_wd_ratio", "adamp_nesterov", "schedule",
-    "step_boundaries", "step_factor", "swa_start_step", "swa_every_steps")}
+    "unlock_warmup_steps", "unlock_warmup_form", "name", "adamp_delta", "adamp_wd_ratio", "adamp_nesterov", "schedule",
+    "step_boundaries", "step_factor", "cosine_steps", "swa_start_step", "swa_every_steps")}
 # The fields a checkpoint's optimiser (its opt_state's layout) is rebuilt from: a checkpoint saved
 # without one of them was saved with its default. (Only locked, unlock_step, groups, layer_decay,
 # name and swa_every_steps change the layout; the others are here so the merged config is valid.)
@@ -157,6 +172,49 @@ def warmup_step(base_lr: float, warmup_steps: int, boundaries: Sequence[int], fa
     return schedule
 
 
+def warmup_cosine_phases(base_lr: float, warmup_steps: int, cosine_steps: int, boundaries: Sequence[int],
+                         factor: float) -> Callable:
+    """DAA's lr (its code: train_coco.py pretrain() then finetune(), engine/trainer.py
+    gradual_warmup, torch CosineAnnealingLR stepped once per epoch), by update count.
+
+    Phase k runs from boundary k (phase 0 from step 0) with t = step - its start and
+    c(t) = 1 + cos(pi t / cosine_steps):
+        lr = base_lr * factor^k * c(t) / n,
+    n = 2, except on phase 0's first descent (t <= cosine_steps) after a warm-up, where
+    n = c(warmup_steps - 1). Steps below warmup_steps: base_lr * (step + 1) / warmup_steps.
+    Why: the code's finetune() multiplies the lr by finetune_lr_decay (0.1) and builds a new
+    optimiser and a new CosineAnnealingLR(T_max 30 epochs) for its 40 epochs, so the cosine
+    restarts from its top and, past T_max, rises again (torch's cosine is periodic: at epoch 39 of
+    the phase the lr is back at 0.21 x its start). In pre-training gradual_warmup overwrites the
+    lr of the first pretrain_warmup_epochs (3) epochs with base x (e + 1) / 3 while the
+    scheduler's clock runs from 0; torch 1.9's CosineAnnealingLR is chainable (lr_t = lr_{t-1}
+    c(t) / c(t - 1)), so from the last warm-up value, base, it goes on as base c(t) / c(W - 1)
+    (until its reset branch at T_max + 1, after which it is base c(t) / 2 again). With one step
+    per epoch this is the code's lr exactly; with many, the same curve without the code's
+    per-epoch staircase."""
+    if not 0 < cosine_steps or warmup_steps > cosine_steps:
+        raise ValueError(f"optim.schedule='cosine_phases' needs 0 < optim.cosine_steps and optim.warmup_steps <= "
+                         f"cosine_steps, got cosine_steps={cosine_steps}, warmup_steps={warmup_steps}")
+    if boundaries and warmup_steps > min(boundaries):
+        raise ValueError(f"optim.warmup_steps={warmup_steps} runs past the first of optim.step_boundaries "
+                         f"(step {min(boundaries)}): the warm-up belongs to the first phase")
+    bounds = jnp.asarray(sorted(boundaries), jnp.int32).reshape(-1)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), bounds])
+    first_norm = 1.0 + math.cos(math.pi * max(warmup_steps - 1, 0) / cosine_steps)
+
+    def schedule(step):
+        step = jnp.asarray(step)
+        phase = jnp.sum(step >= bounds) if len(boundaries) else jnp.int32(0)
+        t = (step - starts[phase]).astype(jnp.float32)
+        c = 1.0 + jnp.cos(jnp.pi * t / cosine_steps)
+        norm = jnp.where((phase == 0) & (t <= cosine_steps), first_norm, 2.0)
+        cos = base_lr * jnp.power(jnp.float32(factor), phase) * c / norm
+        warm = base_lr * (step.astype(jnp.float32) + 1.0) / max(warmup_steps, 1)
+        return jnp.where(step < warmup_steps, warm, cos).astype(jnp.float32)
+
+    return schedule
+
+
 def boundary_steps(boundaries: Sequence[int | float], total_steps: int) -> tuple[int, ...]:
     """optim.step_boundaries as global steps: ints are steps, floats in (0, 1) fractions of total_steps."""
     steps = tuple(b if isinstance(b, int) else int(round(b * total_steps)) for b in boundaries)
@@ -174,6 +232,9 @@ def make_schedule(config: Mapping[str, Any], total_steps: int) -> Callable:
     if r.schedule == "step":
         return warmup_step(config["lr"], config["warmup_steps"], boundary_steps(r.step_boundaries, total_steps),
                            r.step_factor)
+    if r.schedule == "cosine_phases":
+        return warmup_cosine_phases(config["lr"], config["warmup_steps"], r.cosine_steps,
+                                    boundary_steps(r.step_boundaries, total_steps), r.step_factor)
     return warmup_cosine(config["lr"], config["warmup_steps"], total_steps, config.get("end_lr", 0.0))
 
 
@@ -268,6 +329,7 @@ def finetune_config(config: Mapping[str, Any]) -> Finetune:
 class Recipe(NamedTuple):
     """The validated recipe fields of `config.optim` (see RECIPE_DEFAULTS)."""
     unlock_warmup_steps: int
+    unlock_warmup_form: str
     name: str
     adamp_delta: float
     adamp_wd_ratio: float
@@ -275,6 +337,7 @@ class Recipe(NamedTuple):
     schedule: str
     step_boundaries: tuple
     step_factor: float
+    cosine_steps: int
     swa_start_step: int
     swa_every_steps: int
 
@@ -290,12 +353,17 @@ def _is_number(v) -> bool:
 def recipe_config(config: Mapping[str, Any]) -> Recipe:
     """The recipe fields of `config` (missing ones take RECIPE_DEFAULTS), checked; ValueError if bad."""
     c = {**RECIPE_DEFAULTS, **{k: _plain(config[k]) for k in RECIPE_DEFAULTS if k in config}}
-    for key in ("unlock_warmup_steps", "swa_start_step", "swa_every_steps"):
+    for key in ("unlock_warmup_steps", "swa_start_step", "swa_every_steps", "cosine_steps"):
         if not _is_int(c[key]) or c[key] < 0:
             raise ValueError(f"optim.{key} must be an integer >= 0, got {c[key]!r}")
     if c["unlock_warmup_steps"] and not config.get("unlock_step"):
         raise ValueError(f"optim.unlock_warmup_steps={c['unlock_warmup_steps']} has no effect without "
                          f"optim.unlock_step (and optim.locked)")
+    if c["unlock_warmup_form"] not in ("lr", "loss"):
+        raise ValueError(f"optim.unlock_warmup_form must be 'lr' or 'loss', got {c['unlock_warmup_form']!r}")
+    if c["unlock_warmup_form"] != "lr" and not c["unlock_warmup_steps"]:
+        raise ValueError(f"optim.unlock_warmup_form={c['unlock_warmup_form']!r} has no effect without "
+                         f"optim.unlock_warmup_steps")
     if c["name"] not in ("adamw", "adamp"):
         raise ValueError(f"optim.name must be 'adamw' or 'adamp', got {c['name']!r}")
     if not _is_number(c["adamp_delta"]) or c["adamp_delta"] <= 0:
@@ -306,14 +374,17 @@ def recipe_config(config: Mapping[str, Any]) -> Recipe:
         raise ValueError(f"optim.adamp_nesterov must be True or False, got {c['adamp_nesterov']!r}")
     if c["adamp_nesterov"] and c["name"] != "adamp":
         raise ValueError(f"optim.adamp_nesterov=True has no effect with optim.name={c['name']!r}")
-    if c["schedule"] not in ("warmup_cosine", "step"):
-        raise ValueError(f"optim.schedule must be 'warmup_cosine' or 'step', got {c['schedule']!r}")
+    if c["schedule"] not in ("warmup_cosine", "step", "cosine_phases"):
+        raise ValueError(f"optim.schedule must be 'warmup_cosine', 'step' or 'cosine_phases', got {c['schedule']!r}")
+    if (c["schedule"] == "cosine_phases") != (c["cosine_steps"] > 0):
+        raise ValueError(f"optim.cosine_steps={c['cosine_steps']} goes with optim.schedule='cosine_phases' "
+                         f"(its cosine's period, > 0) and only with it; got optim.schedule={c['schedule']!r}")
     bounds = (c["step_boundaries"],) if not isinstance(c["step_boundaries"], (tuple, list)) else c["step_boundaries"]
     for b in bounds:
         if not ((_is_int(b) and b > 0) or (isinstance(b, float) and 0.0 < b < 1.0)):
             raise ValueError(f"optim.step_boundaries must hold global steps (integers > 0) or fractions of "
                              f"total_steps (floats in (0, 1)), got {list(bounds)!r}")
-    if bounds and c["schedule"] != "step":
+    if bounds and c["schedule"] not in ("step", "cosine_phases"):
         raise ValueError(f"optim.step_boundaries={list(bounds)} has no effect with optim.schedule={c['schedule']!r}")
     if not _is_number(c["step_factor"]) or c["step_factor"] <= 0:
         raise ValueError(f"optim.step_factor must be a finite number > 0, got {c['step_factor']!r}")
@@ -584,6 +655,22 @@ def _scale_by_lr_with_ramp(schedule: Callable, ramped: frozenset[str], start: in
     return optax.GradientTransformation(optax.scale_by_learning_rate(schedule).init, update)
 
 
+def scale_by_loss_ramp(start: int, steps: int) -> optax.GradientTransformation:
+    """Multiplies the gradients by clip((count - start + 1) / steps, 0, 1) from update `start`
+    on (1 before it): a loss multiplied by that factor (optim.unlock_warmup_form "loss"). First in
+    the chain, so clipping and Adam see the scaled gradients, as after torch's loss.backward().
+    Its state is a schedule count (the global update count, carried by transfer_state)."""
+
+    def update(updates, state, params=None):
+        del params
+        ramp = jnp.clip((state.count - start + 1).astype(jnp.float32) / steps, 0.0, 1.0)
+        factor = jnp.where(state.count >= start, ramp, 1.0)
+        return (jax.tree.map(lambda u: (factor * u).astype(u.dtype), updates),
+                optax.ScaleByScheduleState(count=optax.safe_increment(state.count)))
+
+    return optax.GradientTransformation(optax.scale_by_learning_rate(lambda _: 1.0).init, update)
+
+
 # ---------------------------------------------------------------------------- optimiser
 def make_optimizer(config: Mapping[str, Any], total_steps: int, params: Any = None,
                    step: int = 0) -> tuple[optax.GradientTransformation, Callable]:
@@ -598,7 +685,8 @@ def make_optimizer(config: Mapping[str, Any], total_steps: int, params: Any = No
     for the phase of global step `step` (locked before optim.unlock_step, all trainable from it).
     optim.name "adamp": scale_by_adamp in place of scale_by_adam, with the (group) weight decay inside
     it (AdamP scales it by wd_ratio where it projects); the scale partitions only multiply by lr_mult.
-    optim.unlock_warmup_steps: from unlock_step the lr stage ramps the unlocked parameters' lr.
+    optim.unlock_warmup_steps: from unlock_step the lr stage ramps the unlocked parameters' lr, or
+    (unlock_warmup_form "loss") scale_by_loss_ramp, first, scales every gradient.
     optim.swa_every_steps: swa(...) last (its state: the running average of the parameters)."""
     ft, r = finetune_config(config), recipe_config(config)
     schedule = make_schedule(config, total_steps)
@@ -651,7 +739,9 @@ def make_optimizer(config: Mapping[str, Any], total_steps: int, params: Any = No
                LOCKED: optax.set_to_zero()}
     scale_tx = {f"scale{k}": scaling(*s) for k, s in enumerate(distinct)} | {LOCKED: optax.set_to_zero()}
     unlocked = frozenset(p for p, label in zip(paths, adam_labels) if label == ADAM_UNLOCKED)
-    if r.unlock_warmup_steps and unlocked:  # PCME++ App. B.2: linear warm-up after unfreezing
+    if r.unlock_warmup_steps and r.unlock_warmup_form == "loss":  # the code of PCME++ / VSE∞
+        parts.insert(0, scale_by_loss_ramp(ft.unlock_step, r.unlock_warmup_steps))  # in every phase: same layout
+    if r.unlock_warmup_steps and unlocked and r.unlock_warmup_form == "lr":  # PCME++ App. B.2's words
         lr_stage = _scale_by_lr_with_ramp(schedule, unlocked, ft.unlock_step, r.unlock_warmup_steps)
     else:
         lr_stage = optax.scale_by_learning_rate(schedule)

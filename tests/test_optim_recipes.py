@@ -314,6 +314,47 @@ def test_step_schedule_values_at_the_boundaries():
         np.testing.assert_allclose(u["w"], -want[t], rtol=1e-4, err_msg=f"step {t}")
 
 
+# ------------------------------------------------------------------- cosine_phases schedule
+def test_cosine_phases_schedule_by_hand():
+    """lr 1, warm-up 2, period 4, x0.1 from step 6: c(t) = 1 + cos(pi t / 4)."""
+    cfg = {**OPTIM, "lr": 1.0, "warmup_steps": 2, "schedule": "cosine_phases", "cosine_steps": 4,
+           "step_boundaries": (6,), "step_factor": 0.1}
+    _, schedule = optim.make_optimizer(cfg, 12)
+    r = math.sqrt(2) / 2
+    want = [0.5, 1.0,  # warm-up (step + 1) / 2
+            1 / (1 + r), (1 - r) / (1 + r), 0.0,  # c(t) / c(1): it goes on from the warm-up's 1.0
+            (1 - r) / 2,  # past the period: c(5) / 2, rising
+            0.1, 0.1 * (1 + r) / 2, 0.05, 0.1 * (1 - r) / 2, 0.0, 0.1 * (1 - r) / 2]  # restart x0.1
+    np.testing.assert_allclose([float(schedule(t)) for t in range(12)], want, rtol=1e-6, atol=1e-9)
+    # Without a warm-up or a boundary: the closed-form cosine, periodic past its period.
+    s = optim.make_schedule({**cfg, "warmup_steps": 0, "step_boundaries": ()}, 12)
+    np.testing.assert_allclose([float(s(t)) for t in range(9)], [(1 + math.cos(math.pi * t / 4)) / 2 for t in range(9)],
+                               atol=1e-7)
+
+
+def test_cosine_phases_is_the_daa_code_schedule_per_epoch():
+    """DAA's code (train_coco.py: pretrain 30 epochs with gradual_warmup over 3, then finetune 40
+    epochs at lr x finetune_lr_decay 0.1 with a new optimiser and scheduler; CosineAnnealingLR
+    T_max 30 stepped once per epoch), replayed with torch's scheduler: one step per epoch here."""
+    torch = pytest.importorskip("torch")
+    base, got = 1.5e-4, []
+    p = torch.nn.Parameter(torch.zeros(1))
+    for lr, epochs, warmup in ((base, 30, 3), (base * 0.1, 40, 0)):
+        opt = torch.optim.SGD([p], lr=lr)  # the lr path does not depend on the optimiser (AdamP there)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=30)
+        for e in range(epochs):
+            if e < warmup:  # engine/trainer.py gradual_warmup
+                for group in opt.param_groups:
+                    group["lr"] = lr * (e + 1) / warmup
+            got.append(opt.param_groups[0]["lr"])
+            opt.step()
+            scheduler.step()
+    ours = optim.make_schedule({**OPTIM, "lr": base, "warmup_steps": 3, "schedule": "cosine_phases",
+                                "cosine_steps": 30, "step_boundaries": (30 / 70,)}, 70)
+    np.testing.assert_allclose([float(ours(e)) for e in range(70)], got, rtol=2e-6, atol=1e-6 * base)  # float32
+    assert got[69] == pytest.approx(0.1 * base * (1 + math.cos(math.pi * 39 / 30)) / 2)  # rising again
+
+
 # -------------------------------------------------------------------------- weight averaging
 SWA = dict(swa_start_step=2, swa_every_steps=2)
 
@@ -451,6 +492,34 @@ def test_unlocked_parameters_warm_up_after_unlock_step():
         np.testing.assert_allclose(ur["visual"]["proj"], up["visual"]["proj"] * ramp, rtol=1e-6)
 
 
+def test_loss_form_scales_every_gradient_after_unlock_step():
+    """unlock_warmup_form "loss" (PCME++'s / VSE∞'s code: the loss x ramp in the first epoch after
+    the freeze) = the optimiser without the warm-up fed ramp x the gradients, clipping and AdamP
+    included, across the unlock rebuild."""
+    params = small_params()
+    base = {**OPTIM, "name": "adamp", "clip_norm": 2.0, "locked": "^visual/", "unlock_step": 3}
+    cfg = {**base, "unlock_warmup_steps": 4, "unlock_warmup_form": "loss"}
+
+    def updates(c, factors):
+        txs = [optim.make_optimizer(c, 10, params, step=s)[0] for s in (0, 3)]
+        state, out = txs[0].init(params), []
+        for t in range(9):
+            if t == 3:
+                state = optim.transfer_state(state, txs[1], params)
+            grads = jax.tree.map(lambda x: jnp.full(x.shape, factors[t] * 0.1 * (t + 1), jnp.float32), params)
+            u, state = jax.jit(txs[t >= 3].update)(grads, state, params)
+            out.append(u)
+        return out
+
+    ramp = [1, 1, 1, 1 / 4, 2 / 4, 3 / 4, 1, 1, 1]  # 1 before the unlock at step 3, then (t - 3 + 1) / 4
+    ours, fed, unscaled = updates(cfg, [1] * 9), updates(base, ramp), updates(base, [1] * 9)
+    for t in range(9):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9, err_msg=f"step {t}"),
+                     ours[t], fed[t])
+    assert not np.allclose(ours[3]["text"]["kernel"], unscaled[3]["text"]["kernel"])  # Adam sees the ramp
+    assert not np.allclose(ours[3]["visual"]["proj"], 0.0)  # the unlocked parameters move at once
+
+
 # ------------------------------------------------------------------------------ defaults and validation
 def test_defaults_keep_todays_optimizer():
     params = small_params()
@@ -472,7 +541,13 @@ def test_defaults_keep_todays_optimizer():
     (dict(adamp_delta=0.0), "optim.adamp_delta must be a finite number > 0"),
     (dict(adamp_wd_ratio=-1.0), "optim.adamp_wd_ratio must be a finite number >= 0"),
     (dict(adamp_nesterov=True), "optim.adamp_nesterov=True has no effect with optim.name='adamw'"),
-    (dict(schedule="cosine"), "optim.schedule must be 'warmup_cosine' or 'step'"),
+    (dict(schedule="cosine"), "optim.schedule must be 'warmup_cosine', 'step' or 'cosine_phases'"),
+    (dict(schedule="cosine_phases"), "optim.cosine_steps=0 goes with optim.schedule='cosine_phases'"),
+    (dict(cosine_steps=5), "optim.cosine_steps=5 goes with optim.schedule='cosine_phases' .* got optim.schedule='warmup_cosine'"),
+    (dict(cosine_steps=-1, schedule="cosine_phases"), "optim.cosine_steps must be an integer >= 0"),
+    (dict(schedule="cosine_phases", cosine_steps=4, warmup_steps=5), "needs 0 < optim.cosine_steps and optim.warmup_steps <= cosine_steps"),
+    (dict(schedule="cosine_phases", cosine_steps=8, warmup_steps=5, step_boundaries=(3,)),
+     r"optim.warmup_steps=5 runs past the first of optim.step_boundaries \(step 3\)"),
     (dict(step_boundaries=(5,)), "optim.step_boundaries=.* has no effect with optim.schedule='warmup_cosine'"),
     (dict(schedule="step", step_boundaries=(1.5,)), "optim.step_boundaries must hold global steps"),
     (dict(schedule="step", step_boundaries=(0,)), "optim.step_boundaries must hold global steps"),
@@ -482,6 +557,8 @@ def test_defaults_keep_todays_optimizer():
     (dict(swa_start_step=5), "optim.swa_start_step=5 has no effect without optim.swa_every_steps"),
     (dict(swa_every_steps=-1), "optim.swa_every_steps must be an integer >= 0"),
     (dict(unlock_warmup_steps=3), "optim.unlock_warmup_steps=3 has no effect without optim.unlock_step"),
+    (dict(unlock_warmup_form="grad"), "optim.unlock_warmup_form must be 'lr' or 'loss'"),
+    (dict(unlock_warmup_form="loss"), "optim.unlock_warmup_form='loss' has no effect without optim.unlock_warmup_steps"),
 ])
 def test_bad_recipe_settings_are_refused(extra, message):
     with pytest.raises(ValueError, match=message) as e:
