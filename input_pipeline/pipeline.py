@@ -523,6 +523,10 @@ def _build(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer | None, 
                        train=train, image_size=cfg.image_size)
     if cfg.num_workers > 0:
         _ensure_absl_flags_parsed()
+        # Images straight into shared memory. grain's mp_prefetch asks for this itself only with
+        # two or more workers (one worker's dataset is wrapped before its check), and otherwise
+        # copies every batch into a fresh segment: 9.6 MB per 64 images at 224 px.
+        ds.enable_shared_memory_output()
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(
             num_workers=cfg.num_workers, per_worker_buffer_size=cfg.per_worker_buffer_size))
     fingerprint = {

@@ -263,3 +263,34 @@ def test_shared_memory_batch_is_prefaulted():
     assert plain >= pages // 2, (plain, pages)
     assert done <= pages // 10, (done, pages)
     assert (a == 7).all()
+
+
+def test_one_worker_builds_batches_in_shared_memory(data):
+    """With worker processes the batch is built in shared memory, also with one worker (grain's
+    mp_prefetch enables that itself only for two or more, and copies each batch otherwise); the
+    batches are those of the in-process pipeline."""
+    import grain
+
+    def batch_datasets(ds):   # through grain's wrappers (parents, interleaved worker datasets)
+        found, todo = [], [ds]
+        while todo:
+            d = todo.pop()
+            if isinstance(d, pipeline._BatchDataset):
+                found.append(d)
+                continue
+            for v in vars(d).values():
+                for item in (v if isinstance(v, (list, tuple)) else [v]):
+                    if isinstance(item, (grain.IterDataset, grain.MapDataset)):
+                        todo.append(item)
+        return found
+
+    ds, _ = pipeline.build_dataset(_config(data, "tar", num_workers=1), TOK, process_index=0, process_count=1)
+    assert [d.shared_memory for d in batch_datasets(ds)] == [True]
+    ds, _ = pipeline.build_dataset(_config(data, "tar", num_workers=0), TOK, process_index=0, process_count=1)
+    assert [d.shared_memory for d in batch_datasets(ds)] == [False]
+    with pipeline.build_train_iterator(_config(data, "tar", num_workers=1), TOK, process_index=0,
+                                       process_count=1) as it:
+        got = _take(it, 2)
+    with pipeline.build_train_iterator(_config(data, "tar", num_workers=0), TOK, process_index=0,
+                                       process_count=1) as it:
+        _assert_same(got, _take(it, 2))
