@@ -27,8 +27,9 @@ Config args (`--config configs/pcmepp_coco.py:dataset=flickr30k,size=cpu`):
 Shared by every recipe (PCME++ seed 003 App. B.2 and its code, unless the method says otherwise):
 - towers: OpenAI CLIP ViT-B/32 (`open_clip:ViT-B-32-quickgelu`), warm-started from its weights
   (`config.init.path`, any copy open_clip or the hub can read); the method's heads on top,
-  initialised fresh. The embedding keeps CLIP's 512-d `proj` (PCME++ replaces it with a new
-  1024-d Linear): a warm start cannot load a projection of another size.
+  initialised fresh. The joint embedding is 1024-d as in the papers' COCO runs (PCME++'s code
+  `embed_size: 1024`; DAA and Pishdad et al.: D = 1024): CLIP's 512-d projections are replaced by
+  new 1024-d ones (`model.embed_dim`, `init.fresh`), CLIP's ln_post kept before them.
 - data: one record per caption (566,435 Karpathy train+restval captions of COCO: 4,425 steps per
   epoch at batch 128), images at 224 px with the pipeline's random resized crop and no colour
   jitter (the papers' own transforms are not reproduced), CLIP normalisation, the CLIP BPE
@@ -46,6 +47,10 @@ import ml_collections as mlc
 from prolip_jax import config_args
 
 CPU_STEPS = 200
+# The papers' joint embedding on COCO, and the CLIP parameters that become new projections of that
+# size (prolip_jax/pretrained/warm_start.py InitConfig.fresh) instead of being loaded.
+EMBED_DIM = 1024
+NEW_PROJECTIONS = ("^visual/proj$", "^text/text_projection/")
 # Training captions per epoch (one record per caption) of each dataset's training split.
 EPOCH_CAPTIONS = {"coco": 113_287 * 5, "flickr30k": 29_000 * 5, "cub": 8_855 * 10}
 
@@ -193,7 +198,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     if cpu:  # the tiny towers with the same heads (prolip_jax/models/config.py VARIANTS)
         variant, towers = CPU_TOWERS[method]
     c.model = mlc.ConfigDict(dict(variant=variant, config_json="", dtype="float32", remat="none",
-                                  attention_impl="auto", **model, vision=dict(towers["vision"]),
+                                  attention_impl="auto", embed_dim=0 if cpu else EMBED_DIM, **model, vision=dict(towers["vision"]),
                                   text=dict(towers["text"])))
 
     loss = dict(recipe["loss"])
@@ -225,7 +230,8 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
         color_jitter_prob=0.0, grayscale_prob=0.0,
         tokenizer=dict(kind="hf" if cpu else "clip_bpe", path="", context_length=16 if cpu else 77),
     ))
-    c.init = mlc.ConfigDict(dict(path="" if cpu else "timm/vit_base_patch32_clip_224.openai"))
+    c.init = mlc.ConfigDict(dict(path="" if cpu else "timm/vit_base_patch32_clip_224.openai",
+                                 fresh=() if cpu else NEW_PROJECTIONS))
 
     # Model selection by validation RSUM every epoch (PCME++ App. B.2; Pishdad et al. §4.2).
     if not cpu and dataset != "cub":

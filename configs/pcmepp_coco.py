@@ -19,7 +19,7 @@ Args as configs/caption_recipes.py (dataset=coco|flickr30k|cub, size=paper|cpu, 
 | grad clip | 2 (code) | 2 |
 | loss | a = b = 5 init, PP alpha 0.1, VIB beta 1e-4, MSDA 25% (Mixup / CutMix, Beta(2, 2)) | the same |
 | SizeAugment | images and captions | images only (CLIP BPE has no [MASK] id) |
-| embedding | 1024-d new Linear on every token, GPO | CLIP's 512-d proj (ln_post kept), GPO |
+| embedding | 1024-d new Linear on every token, GPO | a new 1024-d projection (no bias, after CLIP's ln_post) on every token, GPO |
 | SWA | last 10 epochs (code: from epoch 16, every epoch) | swa from epoch 16 every epoch -> W/swa |
 | model selection | best validation RSUM | keep_best on retrieval/val/csd/1k/rsum -> W/best |
 

@@ -42,6 +42,26 @@ def test_recipe_parses_at_paper_size(method, arg):
         assert c.keep_best.metric.endswith("/1k/rsum")
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_recipe_warm_starts_clip_with_new_1024d_projections(method):
+    """At paper size every recipe's towers take OpenAI CLIP ViT-B/32's weights (checked from
+    shapes alone, as a run does before compiling) with the papers' 1024-d joint embedding: CLIP's
+    512-d projections are the only parameters whose shapes differ, and config.init.fresh covers
+    exactly them."""
+    from prolip_jax.models import abstract_params
+    from prolip_jax.pretrained import openclip, warm_start
+
+    c = train.with_defaults(config_args.load_config_file(f"configs/{method}_coco.py"))
+    mcfg = train.model_config(c)
+    assert mcfg.embed_dim == 1024
+    clip = openclip.config_from_open_clip(openclip.arch_config("ViT-B-32-quickgelu"))
+    target, source = abstract_params(mcfg), abstract_params(clip)
+    source = {k: v for k, v in source.items() if k != "logit_bias"}  # OpenAI CLIP has none
+    warm_start.check_fit(mcfg, target, clip, source, fresh=tuple(c.init.fresh))
+    with pytest.raises(ValueError, match=r"visual/proj: target \(768, 1024\), source \(768, 512\)"):
+        warm_start.check_fit(mcfg, target, clip, source)
+
+
 def test_unknown_recipe_is_an_error():
     with pytest.raises(ValueError, match="method='clip'"):
         config_args.load_config_file("configs/caption_recipes.py:method=clip")
