@@ -113,11 +113,14 @@ def masked_rank_sum(u: jax.Array, v: jax.Array, tau: float, weights: jax.Array |
     v = u gives each query's own ranking; v = u.T the code's index pattern. The sum over a runs
     in chunks (a scan over the item axis, so the query axis can stay sharded), each chunk
     rematerialised in the backward pass."""
+    if chunk_elements is None:
+        # Chosen by the platform the program is compiled for (an ahead-of-time TPU compile on a
+        # CPU host gets the TPU size), not by the host's default backend.
+        return jax.lax.platform_dependent(
+            u, v, weights, cpu=lambda u, v, w: masked_rank_sum(u, v, tau, w, CPU_CHUNK_ELEMENTS),
+            default=lambda u, v, w: masked_rank_sum(u, v, tau, w, CHUNK_ELEMENTS))
     q, n = u.shape
-    budget = CHUNK_ELEMENTS if chunk_elements is None else chunk_elements
-    if chunk_elements is None and jax.default_backend() == "cpu":
-        budget = min(budget, CPU_CHUNK_ELEMENTS)
-    k = int(max(1, min(n, budget // max(q * n, 1))))
+    k = int(max(1, min(n, chunk_elements // max(q * n, 1))))
     part = jax.checkpoint(functools.partial(_partial_rank, tau=tau, n=n))
     if k >= n:
         return part(u, v, weights, jnp.arange(n))
