@@ -262,13 +262,13 @@ def _matcher(patterns: tuple[str, ...]) -> re.Pattern:
     return re.compile("|".join(f"(?:{p})" for p in patterns))
 
 
-def _check(fresh: Mapping[str, np.ndarray], src: Mapping[str, np.ndarray], keep_fresh: tuple[str, ...] = ()
+def _check(fresh: Mapping[str, np.ndarray], src: Mapping[str, np.ndarray], fresh_patterns: tuple[str, ...] = ()
            ) -> None:
     """Every difference must be one warm_start knows how to bridge; else one error naming all."""
     problems = []
-    fresh_match = _matcher(keep_fresh)
-    if keep_fresh and not any(fresh_match.search(n) for n in set(fresh) & set(src)):
-        raise ValueError(f"config.init.fresh={keep_fresh!r} matches no parameter that the source and the target "
+    fresh_match = _matcher(fresh_patterns)
+    if fresh_patterns and not any(fresh_match.search(n) for n in set(fresh) & set(src)):
+        raise ValueError(f"config.init.fresh={fresh_patterns!r} matches no parameter that the source and the target "
                          "share (paths look like 'visual/proj', 'text/text_projection/kernel')")
     for name in sorted(set(fresh) | set(src)):
         if name in fresh and name in src and fresh_match.pattern and fresh_match.search(name):
