@@ -107,8 +107,8 @@ def _zero_shot(checkpoint, test) -> float:
     return float(np.mean(pred == np.array([c for _, c in test])))
 
 
-# PCME++ (its objective, MSDA, pseudo-positives, AdamP, step schedule, SWA; ProLIP's [UNC] head
-# at this size, configs/caption_recipes.py CPU_TOWERS), Pishdad et al. (bounded W2 triplet after
+# PCME++ (its objective, MSDA, pseudo-positives, AdamP, step schedule, SWA; its own heads, the
+# log sigma^2 bias started at -10 at this size: configs/caption_recipes.py CPU_TOWERS), Pishdad et al. (bounded W2 triplet after
 # the sum warm-up), VSE∞, PCME, DAA on PCME (its weight scaled to batch 32: at the paper's 1000
 # both towers collapse, configs/caption_recipes.py) and the InfoNCE baseline, ~20-40 s each.
 @pytest.mark.parametrize("method", ["pcmepp", "pishdad", "vse", "pcme", "daa", "infonce"])
