@@ -141,6 +141,11 @@ _BLOCK = re.compile(r"^transformer/resblocks_(\d+)/")
 ADAM, ADAM_UNLOCKED, LOCKED = "adam", "adam_unlocked", "locked"
 
 
+def _linear_warmup(base_lr: float, step: jax.Array, warmup_steps: int) -> jax.Array:
+    """The reference's warm-up lr at `step` (below warmup_steps): base_lr (step + 1) / warmup_steps."""
+    return base_lr * (jnp.asarray(step).astype(jnp.float32) + 1.0) / max(warmup_steps, 1)
+
+
 def warmup_cosine(base_lr: float, warmup_steps: int, total_steps: int, end_lr: float = 0.0) -> Callable:
     """The reference's `cosine_lr`: linear (step + 1) / warmup, then cosine from base_lr to end_lr."""
     if total_steps <= 0:
@@ -149,7 +154,7 @@ def warmup_cosine(base_lr: float, warmup_steps: int, total_steps: int, end_lr: f
 
     def schedule(step):
         step = jnp.asarray(step, jnp.float32)
-        warm = base_lr * (step + 1.0) / max(warmup_steps, 1)
+        warm = _linear_warmup(base_lr, step, warmup_steps)
         progress = jnp.clip((step - warmup_steps) / decay_steps, 0.0, 1.0)
         cos = end_lr + 0.5 * (1.0 + jnp.cos(jnp.pi * progress)) * (base_lr - end_lr)
         return jnp.where(step < warmup_steps, warm, cos)
@@ -164,7 +169,7 @@ def warmup_step(base_lr: float, warmup_steps: int, boundaries: Sequence[int], fa
 
     def schedule(step):
         step = jnp.asarray(step)
-        warm = base_lr * (step.astype(jnp.float32) + 1.0) / max(warmup_steps, 1)
+        warm = _linear_warmup(base_lr, step, warmup_steps)
         passed = jnp.sum(step >= bounds) if len(boundaries) else 0
         decayed = base_lr * jnp.power(jnp.float32(factor), passed)
         return jnp.where(step < warmup_steps, warm, decayed).astype(jnp.float32)
@@ -209,7 +214,7 @@ def warmup_cosine_phases(base_lr: float, warmup_steps: int, cosine_steps: int, b
         c = 1.0 + jnp.cos(jnp.pi * t / cosine_steps)
         norm = jnp.where((phase == 0) & (t <= cosine_steps), first_norm, 2.0)
         cos = base_lr * jnp.power(jnp.float32(factor), phase) * c / norm
-        warm = base_lr * (step.astype(jnp.float32) + 1.0) / max(warmup_steps, 1)
+        warm = _linear_warmup(base_lr, step, warmup_steps)
         return jnp.where(step < warmup_steps, warm, cos).astype(jnp.float32)
 
     return schedule
@@ -635,6 +640,11 @@ def swa_params(opt_state: Any) -> tuple[Any, jax.Array]:
     return found[0].mean, found[0].n
 
 
+def _unlock_ramp(count: jax.Array, start: int, steps: int) -> jax.Array:
+    """clip((count - start + 1) / steps, 0, 1): optim.unlock_warmup_steps' linear ramp at update `count`."""
+    return jnp.clip((count - start + 1).astype(jnp.float32) / steps, 0.0, 1.0)
+
+
 def _scale_by_lr_with_ramp(schedule: Callable, ramped: frozenset[str], start: int,
                            steps: int) -> optax.GradientTransformation:
     """scale_by_learning_rate(schedule) (the same state) with the leaves at `ramped` paths scaled
@@ -643,7 +653,7 @@ def _scale_by_lr_with_ramp(schedule: Callable, ramped: frozenset[str], start: in
     def update(updates, state, params=None):
         del params
         lr = schedule(state.count)
-        ramp = jnp.clip((state.count - start + 1).astype(jnp.float32) / steps, 0.0, 1.0)
+        ramp = _unlock_ramp(state.count, start, steps)
 
         def one(path, u):
             step_size = -lr * ramp if _path_str(path) in ramped else -lr
@@ -663,8 +673,7 @@ def scale_by_loss_ramp(start: int, steps: int) -> optax.GradientTransformation:
 
     def update(updates, state, params=None):
         del params
-        ramp = jnp.clip((state.count - start + 1).astype(jnp.float32) / steps, 0.0, 1.0)
-        factor = jnp.where(state.count >= start, ramp, 1.0)
+        factor = jnp.where(state.count >= start, _unlock_ramp(state.count, start, steps), 1.0)
         return (jax.tree.map(lambda u: (factor * u).astype(u.dtype), updates),
                 optax.ScaleByScheduleState(count=optax.safe_increment(state.count)))
 
