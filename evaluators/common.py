@@ -51,37 +51,55 @@ def tokenize_checked(tokenizer: Callable, texts: list[str], what: str) -> np.nda
     return tokens
 
 
-@functools.partial(jax.jit, static_argnames="kind")
-def _scores(q_mu: jax.Array, q_lv: jax.Array | None, g_mu: jax.Array, g_lv: jax.Array | None,
-            kind: str) -> jax.Array:
+def _score_block(q_mu: jax.Array, q_lv: jax.Array | None, g_mu: jax.Array, g_lv: jax.Array | None,
+                 kind: str) -> jax.Array:
     if kind == "dot":
         return q_mu @ g_mu.T
     return -csd(q_mu, q_lv, g_mu, g_lv)   # paper eq. 2 / PCME++; None log sigma^2: mu only
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted(kind: str, device_reduce: Callable | None) -> Callable:
+    """One program per (kind, device reduction): the scores and their reduction fuse, and
+    the [block, M] scores never leave the device when a reduction is given."""
+    if device_reduce is None:
+        return jax.jit(functools.partial(_score_block, kind=kind))
+    return jax.jit(lambda q_mu, q_lv, g_mu, g_lv, *rows: device_reduce(
+        _score_block(q_mu, q_lv, g_mu, g_lv, kind), *rows))
+
+
 def blocked_scores(query_mu: np.ndarray, query_logvar: np.ndarray | None, gallery_mu: np.ndarray,
                    gallery_logvar: np.ndarray | None, kind: str = "csd", block: int = 4096,
-                   reduce: Callable[[np.ndarray, int], Any] | None = None) -> Iterator[tuple[int, Any]]:
+                   reduce: Callable[[np.ndarray, int], Any] | None = None,
+                   device_reduce: Callable | None = None, rows: tuple[np.ndarray, ...] = ()
+                   ) -> Iterator[tuple[int, Any]]:
     """Scores of query blocks against the whole gallery, computed on device block by block.
 
     kind: "csd" -> -CSD (higher is closer; the ranking of the paper's protocol), "dot" -> mu.mu.
     Yields (start row, reduce(scores [b, M], start) or the scores themselves) so that
     5k x 25k (and larger) never has to sit in memory at once. The last block is padded, so one
     compiled program serves every block of a given gallery size.
+    device_reduce: a jax function `fn(scores [block, M], *row_blocks)` applied on the device
+    before anything comes to the host (then `reduce` gets its output); `rows` are per-query
+    arrays [Q, ...] sliced and padded with the queries into `row_blocks`. A 1M gallery's
+    float32 scores are 4 GB per 1024 queries: ranking them on the host is what limits a large
+    evaluation, not the device.
     """
     if kind not in ("csd", "dot"):
         raise ValueError(f"unknown score kind {kind!r}; use 'csd' or 'dot'")
     g_mu = jnp.asarray(gallery_mu)
     g_lv = None if gallery_logvar is None else jnp.asarray(gallery_logvar)
+    fn = _jitted(kind, device_reduce)
     n = len(query_mu)
     block = max(1, min(block, n))
     for start in range(0, n, block):
-        q = [x if x is None else x[start:start + block] for x in (query_mu, query_logvar)]
+        q = [x if x is None else x[start:start + block] for x in (query_mu, query_logvar, *rows)]
         k = len(q[0])
         q = [x if x is None or k == block else np.concatenate([x, np.repeat(x[-1:], block - k, 0)])
              for x in q]
-        s = np.asarray(_scores(jnp.asarray(q[0]), None if q[1] is None else jnp.asarray(q[1]),
-                               g_mu, g_lv, kind))[:k]
+        out = fn(*(None if x is None else jnp.asarray(x) for x in q[:2]), g_mu, g_lv,
+                 *(jnp.asarray(x) for x in q[2:]))
+        s = jax.tree.map(lambda a: np.asarray(a)[:k], out)
         yield start, (reduce(s, start) if reduce is not None else s)
 
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from evaluators.common import Encoder, blocked_scores, get as _get, tokenizer_from, uncertainty
@@ -210,6 +212,23 @@ def pad_positives(lists: Sequence[Sequence[int]]) -> np.ndarray:
     return out
 
 
+def _device_ranks(scores: jax.Array, positives: jax.Array, exclude: jax.Array | None = None) -> jax.Array:
+    """`positive_ranks` on the device (same ties: rank = #{s > s_p} + #{j < p : s_j == s_p}),
+    with `exclude` scored -inf first as the host path does; padding (-1) -> -1.
+    scores [b, M] float; positives int32 [b, P]; exclude int32 [b] or None. Returns int32 [b, P]."""
+    cols = jnp.arange(scores.shape[1], dtype=jnp.int32)[None, :]
+    if exclude is not None:
+        scores = jnp.where(cols == exclude[:, None], -jnp.inf, scores)
+
+    def one(p: jax.Array) -> jax.Array:   # [b]: one positive per query
+        sp = jnp.take_along_axis(scores, jnp.maximum(p, 0)[:, None], 1)
+        r = jnp.sum(scores > sp, 1, dtype=jnp.int32) + jnp.sum((scores == sp) & (cols < p[:, None]), 1,
+                                                                dtype=jnp.int32)
+        return jnp.where(p >= 0, r, -1)
+
+    return jax.vmap(one, in_axes=1, out_axes=1)(positives)
+
+
 def blocked_ranks(q_mu: np.ndarray, q_lv: np.ndarray, g_mu: np.ndarray, g_lv: np.ndarray,
                   positives: np.ndarray, kind: str = "csd", block: int = 1024, topk: int = 0,
                   exclude: np.ndarray | None = None,
@@ -219,7 +238,16 @@ def blocked_ranks(q_mu: np.ndarray, q_lv: np.ndarray, g_mu: np.ndarray, g_lv: np
     [M, D], computed block by block on the devices: only [Q, P] (+ [Q, topk]) is kept.
     exclude: int [Q], a gallery item left out of each query's ranking (the query itself in
     same-modality retrieval). extras: more reductions `fn(scores [b, M], start)` of the same
-    score blocks (PMRP, ASP: evaluators/caption_metrics.py), so the scores are computed once."""
+    score blocks (PMRP, ASP: evaluators/caption_metrics.py), so the scores are computed once.
+    With ranks alone (no topk, no extras, at most _MANY_POSITIVES per query) the ranks are
+    counted on the device and only [b, P] comes back (`_device_ranks`, same values)."""
+    positives = np.asarray(positives, np.int64)
+    if not topk and not extras and positives.shape[1] <= _MANY_POSITIVES and len(g_mu) < 2 ** 31:
+        rows = (positives.astype(np.int32),) + (() if exclude is None else (np.asarray(exclude, np.int32),))
+        parts = [r for _, r in blocked_scores(q_mu, q_lv, g_mu, g_lv, kind=kind, block=block,
+                                               device_reduce=_device_ranks, rows=rows)]
+        got = np.concatenate(parts).astype(np.int64) if parts else np.empty(positives.shape, np.int64)
+        return np.where(got < 0, _PAD, got), None
     ranks = np.empty(positives.shape, np.int64)
     tops = np.empty((len(q_mu), min(topk, len(g_mu))), np.int64) if topk else None
 

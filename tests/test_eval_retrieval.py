@@ -128,6 +128,36 @@ def test_blocked_equals_dense_and_reference_ranking():
                               R.blocked_ranks(q_mu, q_lv, g_mu, g_lv, pos, "dot", 4)[0])
 
 
+def test_device_ranks_equal_host_ranks_with_ties_padding_and_exclusion():
+    """blocked_ranks counts ranks on the device when it only needs ranks: the same values as
+    positive_ranks on the host scores, ties broken by gallery index, -1 padding, an excluded
+    item never ranked, blocks that do not divide the queries."""
+    rng = np.random.default_rng(7)
+    nq, ng, d = 11, 23, 4
+    # coarse integer means: many exactly equal dot scores, so the tie rule is exercised
+    q_mu = rng.integers(-1, 2, size=(nq, d)).astype(np.float32)
+    g_mu = rng.integers(-1, 2, size=(ng, d)).astype(np.float32)
+    pos = R.pad_positives([rng.choice(ng, rng.integers(1, 6), replace=False) for _ in range(nq)])
+    scores = q_mu @ g_mu.T
+    assert (np.diff(np.sort(scores, 1), axis=1) == 0).sum() > nq * 5   # ties present
+    for exclude in (None, rng.integers(0, ng, nq)):
+        host = scores.copy()
+        if exclude is not None:
+            host[np.arange(nq), exclude] = -np.inf
+        want = R.positive_ranks(host, pos)
+        got, top = R.blocked_ranks(q_mu, None, g_mu, None, pos, "dot", block=4, exclude=exclude)
+        assert top is None
+        np.testing.assert_array_equal(got, want)
+        assert (got[pos < 0] == want[pos < 0]).all() and (pos < 0).any()   # padding -> _PAD
+    # the CSD kind with uncertainties takes the same path
+    q_lv = rng.normal(-2, 1, size=(nq, d)).astype(np.float32)
+    g_lv = rng.normal(-2, 1, size=(ng, d)).astype(np.float32)
+    from evaluators.common import blocked_scores
+    dense = np.concatenate([s for _, s in blocked_scores(q_mu, q_lv, g_mu, g_lv, "csd", block=5)])
+    np.testing.assert_array_equal(R.blocked_ranks(q_mu, q_lv, g_mu, g_lv, pos, "csd", block=5)[0],
+                                  R.positive_ranks(dense, pos))
+
+
 # ---- end to end ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
