@@ -437,7 +437,7 @@ def part_e2e(plan: Plan, r: Runner, env: dict, step_part: dict | None) -> dict:
 
 
 def random_batch_seconds(global_batch: int, config) -> float | None:
-    """Host seconds to make one data.source=random batch (float32 images drawn each step): the
+    """Host seconds to make one data.source=random batch (uint8 images drawn each step): the
     synthetic run's own input cost, to read its samples/s against."""
     try:
         from prolip_jax.data import RandomBatches
