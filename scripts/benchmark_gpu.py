@@ -52,6 +52,9 @@ XLA_LEVERS = {
     "xla:latency_hiding_scheduler": "--xla_gpu_enable_latency_hiding_scheduler=true",
     "xla:no_command_buffers": "--xla_gpu_enable_command_buffer=",
     "xla:no_triton_gemm": "--xla_gpu_enable_triton_gemm=false",
+    # The 2026-11-24 H100 profile: XLA merges the full and masked image forward's dots that share
+    # a weight by concatenating their activations (a [55456, 3072] copy per MLP, ~8 ms a step).
+    "xla:no_dot_merger": "--xla_gpu_dot_merger_threshold_mb=0",
 }
 
 
@@ -209,6 +212,13 @@ def part_step(plan: Plan, r: Runner, env: dict) -> dict:
         with tarfile.open(r.out / "profile.tar.gz", "w:gz") as tar:
             tar.add(profile, arcname="profile")
         out["profile"] = "profile.tar.gz"
+        try:  # where the device time goes, by kernel class and JAX op (scripts/profile_breakdown.py)
+            sys.path.insert(0, str(REPO / "scripts"))
+            from profile_breakdown import breakdown
+
+            out["breakdown"] = breakdown(profile, plan.profile_steps, top=15)
+        except Exception as e:  # noqa: BLE001 - a side table; the step's figures stand without it
+            out["breakdown_error"] = f"{type(e).__name__}: {e}"
     return out
 
 
@@ -587,7 +597,15 @@ def render(results: dict) -> str:
                           f"peak used for MFU: {_f(main.get('peak_tflops_per_device'))} TFLOP/s."]
         if p.get("profile"):
             lines += ["", f"Profile of {main.get('profile_steps')} steps: `{p['profile']}` "
-                          "(`tar xzf profile.tar.gz; xprof --logdir=profile`)."]
+                          "(`tar xzf profile.tar.gz; xprof --logdir=profile`; "
+                          "`python scripts/profile_breakdown.py profile`)."]
+        b = p.get("breakdown")
+        if b:
+            lines += ["", f"Device time per step: {_f(b['device_ms_per_step'])} ms: " + "; ".join(
+                f"{k} {_f(ms)} ms" for k, ms in b["classes_ms_per_step"].items()) + ". Costliest fusions:", ""]
+            lines += _table(["ms per step", "kernels per step", "JAX op", "output"],
+                            [[_f(x["ms_per_step"]), _f(x["per_step"]), f"`{x['op_name'][-100:]}`", x["shape"]]
+                             for x in b["top_fusions"][:10]])
         lines.append("")
     if "max_batch" in parts:
         p = parts["max_batch"]

@@ -97,6 +97,9 @@ def test_the_whole_plan_at_tiny_size_on_cpu(tmp_path):
     assert main["param_dtypes"] == ["float32"] and main["per_device_batch"] == 8
     with tarfile.open(out / "profile.tar.gz") as tar:
         assert any(n.endswith(".xplane.pb") for n in tar.getnames())
+    b = parts["step"].get("breakdown")   # scripts/profile_breakdown.py on that profile
+    assert b and b["device_ms_per_step"] > 0 and b["top_fusions"], parts["step"].get("breakdown_error")
+    assert any(m.startswith("jit_train_step") for m in b["modules"])
 
     # 2. Largest batch: needs a device memory limit.
     assert parts["max_batch"]["status"] == "skipped" and "memory_stats" in parts["max_batch"]["reason"]
