@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device time per step: {r['device_ms_per_step']:.1f} ms ({args.steps} steps in {r['profile']})")
     for k, ms in r["classes_ms_per_step"].items():
         print(f"  {ms:8.2f} ms  {100 * ms / r['device_ms_per_step']:5.1f}%  {k}")
-    print(f"costliest fusions (ms per step, kernels per step, kernel, JAX op, output shape):")
+    print("costliest fusions (ms per step, kernels per step, kernel, JAX op, output shape):")
     for x in r["top_fusions"]:
         print(f"  {x['ms_per_step']:7.3f} {x['per_step']:4.0f}  {x['kernel'][:34]:34s} {x['op_name'][-90:]}  "
               f"{x['shape']}")
