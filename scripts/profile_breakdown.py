@@ -173,22 +173,31 @@ def breakdown(profile_dir: Path, steps: int, top: int) -> dict:
         raise SystemExit(f"{profile_dir}: no *.trace.json.gz and *.xplane.pb (a jax.profiler trace directory)")
     events = json.loads(gzip.decompress(traces[-1].read_bytes()))["traceEvents"]
     modules = hlo_modules(planes[-1].read_bytes())
-    instructions = {k: v for m in modules.values() for k, v in m.items()}
+    # Instruction names repeat across programs ("fusion.3"): look each kernel up in its own
+    # program (the event's `hlo_module`, e.g. "jit_train_step" for module "jit_train_step(9309)").
+    by_module: dict[str, dict[str, dict]] = collections.defaultdict(dict)
+    for name, insts in modules.items():
+        by_module[re.sub(r"\(\d+\)$", "", name)].update(insts)
+
+    def instruction(e: dict) -> dict | None:
+        return instruction_of(e["name"], by_module.get((e.get("args") or {}).get("hlo_module", ""), {}))
+
     processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     on_device = [e for e in events if e.get("ph") == "X" and processes.get(e["pid"], "").startswith("/device:")]
     if not on_device:  # CPU: the thunks run on host threads, named after their HLO instruction
-        on_device = [e for e in events if e.get("ph") == "X" and instruction_of(e["name"], instructions)]
-    classes, kernels, counts = collections.Counter(), collections.Counter(), collections.Counter()
+        on_device = [e for e in events if e.get("ph") == "X" and instruction(e)]
+    classes, kernels, counts, insts = (collections.Counter(), collections.Counter(), collections.Counter(), {})
     for e in on_device:
         classes[kernel_class(e["name"])] += e.get("dur", 0)
         kernels[e["name"]] += e.get("dur", 0)
         counts[e["name"]] += 1
+        insts.setdefault(e["name"], instruction(e))
     total = sum(classes.values())
     rows = []
     for name, us in kernels.most_common():
         if kernel_class(name) != "XLA fusions and other kernels":
             continue
-        inst = instruction_of(name, instructions) or {}
+        inst = insts[name] or {}
         rows.append({"kernel": name, "ms_per_step": us / 1e3 / steps, "per_step": counts[name] / steps,
                      "op_name": fold_layers(inst.get("op_name", "")), "shape": inst.get("shape", ""),
                      "fused": sorted({f"{op} {shape}" for op, shape in inst.get("fused", [])
