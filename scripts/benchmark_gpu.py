@@ -736,6 +736,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=int, default=None, help="seconds per subprocess (default: the plan's)")
     p.add_argument("--levers", default=None, help="comma-separated lever names (default: all; see XLA_LEVERS)")
     p.add_argument("--policies", default=None, help="comma-separated remat policies for max_batch (default: all)")
+    p.add_argument("--workers", default=None, help="comma-separated data.num_workers for e2e (default: 4,8,16)")
     p.add_argument("--merge", nargs="+", default=None, metavar="RESULTS_JSON")
     # The PyTorch side (part torch) runs in its own process through these:
     p.add_argument("--torch-step-worker", action="store_true", help=argparse.SUPPRESS)
@@ -769,6 +770,14 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(plan, levers=tuple(args.levers.split(",")))
     if args.policies:
         plan = dataclasses.replace(plan, remat_policies=tuple(args.policies.split(",")))
+    if args.workers:
+        try:
+            workers = tuple(int(w) for w in args.workers.split(","))
+        except ValueError:
+            p.error(f"--workers {args.workers!r}: comma-separated positive integers, e.g. 8,16")
+        if min(workers) < 1:
+            p.error(f"--workers {args.workers!r}: comma-separated positive integers, e.g. 8,16")
+        plan = dataclasses.replace(plan, workers=workers)
     try:
         levers(plan)  # an unknown lever name is an error now, not after an hour of measuring
     except ValueError as e:

@@ -140,3 +140,11 @@ def test_the_whole_plan_at_tiny_size_on_cpu(tmp_path):
                     "## End to end", "## Evaluation speed"):
         assert heading in md
     assert "`python scripts/benchmark_step.py --config configs/tiny.py:data=random --per-device-batch 8" in md
+
+
+@pytest.mark.parametrize("bad", ["a", "0", "8,-1"])
+def test_bad_worker_counts_are_refused_before_anything_runs(tmp_path, bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        benchmark_gpu.main(["--out", str(tmp_path / "out"), "--parts", "e2e", "--workers", bad])
+    assert e.value.code == 2 and "--workers" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
