@@ -2,7 +2,7 @@
 
     python scripts/benchmark_eval.py --config configs/prolip_b16_datacomp.py \
         [--images 8192 --texts 32768 --batch 1024] [--queries 50000 --gallery 1000000 --block 1024] \
-        [--json OUT.json]
+        [--only encoder|csd] [--json OUT.json]
 
 Encoder: `prolip_jax.encode.Encoder` (what `prolip_jax.load` and every evaluator use) on randomly
 initialised parameters of the config's model and random uint8 images / token ids, on all local
@@ -11,7 +11,8 @@ included. Retrieval: `evaluators.retrieval.blocked_ranks` ("csd", the paper's pr
 blocks scored against the whole gallery on device, the rank of each query's positive taken on
 the host), random unit-norm means and log sigma^2 of the model's embedding width. It runs first,
 so the device's peak memory (`memory_stats()`, None on CPU) is its own; the host's peak RSS is
-reported beside it.
+reported beside it. `--only` runs one of the two (the GPU plan runs each in its own process, so
+that each has its own time limit and its own peak memory).
 """
 from __future__ import annotations
 
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--queries", type=int, default=50_000)
     p.add_argument("--gallery", type=int, default=1_000_000)
     p.add_argument("--block", type=int, default=1024, help="query rows scored at once")
+    p.add_argument("--only", choices=("encoder", "csd"), default=None, help="run one of the two measurements")
     p.add_argument("--json", default=None, metavar="OUT")
     args = p.parse_args(argv)
 
@@ -100,15 +102,17 @@ def main(argv: list[str] | None = None) -> None:
 
     result = {"backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
               "n_devices": jax.device_count(), "variant": config.model.variant, "dtype": config.model.dtype}
-    result["csd"] = csd_retrieval(args.queries, args.gallery, model_config(config).embed_dim, args.block)
-    c = result["csd"]
-    peak = "n/a" if c["device_memory"] is None else f"{c['device_memory']['peak_bytes_in_use'] / 2 ** 30:.3g} GiB"
-    print(f"blocked CSD ranks, {args.queries} x {args.gallery} (dim {c['dim']}, block {args.block}): "
-          f"{c['seconds']:.1f} s ({c['pairs_per_s'] / 1e9:.3g} G pairs/s); host peak RSS "
-          f"{c['host_peak_rss_bytes'] / 2 ** 30:.3g} GiB; device peak {peak}", flush=True)
-    result["encoder"] = e = encoder_speed(config, args.images, args.texts, args.batch)
-    print(f"encoder ({config.model.variant}, {config.model.dtype}, block {e['batch']}): "
-          f"{e['images_per_s']:.1f} images/s, {e['texts_per_s']:.1f} texts/s")
+    if args.only in (None, "csd"):
+        result["csd"] = c = csd_retrieval(args.queries, args.gallery, model_config(config).embed_dim, args.block)
+        peak = ("n/a" if c["device_memory"] is None
+                else f"{c['device_memory']['peak_bytes_in_use'] / 2 ** 30:.3g} GiB")
+        print(f"blocked CSD ranks, {args.queries} x {args.gallery} (dim {c['dim']}, block {args.block}): "
+              f"{c['seconds']:.1f} s ({c['pairs_per_s'] / 1e9:.3g} G pairs/s); host peak RSS "
+              f"{c['host_peak_rss_bytes'] / 2 ** 30:.3g} GiB; device peak {peak}", flush=True)
+    if args.only in (None, "encoder"):
+        result["encoder"] = e = encoder_speed(config, args.images, args.texts, args.batch)
+        print(f"encoder ({config.model.variant}, {config.model.dtype}, block {e['batch']}): "
+              f"{e['images_per_s']:.1f} images/s, {e['texts_per_s']:.1f} texts/s")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))

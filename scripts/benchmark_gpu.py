@@ -465,10 +465,14 @@ def random_batch_seconds(global_batch: int, config) -> float | None:
 
 
 def part_eval(plan: Plan, r: Runner, env: dict) -> dict:
-    j = r.tmp / "eval.json"
-    run = r.run("evaluation speed", [sys.executable, "scripts/benchmark_eval.py", "--config", plan.config,
-                                     *plan.eval_args, "--json", str(j)], j)
-    return {"status": part_status([run]), "runs": [run]}
+    """The encoder first (quick), then the CSD ranking, each in its own process: its own time
+    limit, and its own device peak memory."""
+    runs = []
+    for name, only in (("encoder speed", "encoder"), ("blocked CSD ranks", "csd")):
+        j = r.tmp / f"eval_{only}.json"
+        runs.append(r.run(name, [sys.executable, "scripts/benchmark_eval.py", "--config", plan.config,
+                                 *plan.eval_args, "--only", only, "--json", str(j)], j))
+    return {"status": part_status(runs), "runs": runs}
 
 
 def environment(r: Runner) -> dict:
@@ -682,19 +686,27 @@ def render(results: dict) -> str:
     if "eval" in parts:
         p = parts["eval"]
         lines += [f"## Evaluation speed — {p['status']}", ""]
-        run = p["runs"][0] if p.get("runs") else {"status": p["status"], "error": p.get("error", "")}
-        x = run.get("result") or {}
-        if run["status"] == "ok":
-            e, c = x["encoder"], x["csd"]
-            peak = (c.get("device_memory") or {}).get("peak_bytes_in_use")
-            rows = [["encoder images/s", _f(e["images_per_s"]), f"{e['image_size']} px, block {e['batch']}"],
-                    ["encoder texts/s", _f(e["texts_per_s"]), f"{e['context_length']} tokens, block {e['batch']}"],
-                    [f"blocked CSD ranks, {c['queries']} x {c['gallery']}", f"{_f(c['seconds'])} s",
-                     f"dim {c['dim']}, block {c['block']}; device peak {_gib(peak)} GiB, host peak RSS "
-                     f"{_gib(c['host_peak_rss_bytes'])} GiB"]]
-            lines += _table(["what", "value", "notes"], rows) + ["", f"Command: {_cmd(run)}"]
+        rows = []
+        for run in p.get("runs") or []:
+            x = run.get("result") or {}
+            if run["status"] != "ok":
+                rows.append([run["name"], "—", _status(run), _cmd(run)])
+            elif "encoder" in x:
+                e = x["encoder"]
+                rows += [["encoder images/s", _f(e["images_per_s"]), f"{e['image_size']} px, block {e['batch']}",
+                          _cmd(run)],
+                         ["encoder texts/s", _f(e["texts_per_s"]), f"{e['context_length']} tokens, block "
+                          f"{e['batch']}", _cmd(run)]]
+            elif "csd" in x:
+                c = x["csd"]
+                peak = (c.get("device_memory") or {}).get("peak_bytes_in_use")
+                rows.append([f"blocked CSD ranks, {c['queries']} x {c['gallery']}", f"{_f(c['seconds'])} s",
+                             f"dim {c['dim']}, block {c['block']}; device peak {_gib(peak)} GiB, host peak RSS "
+                             f"{_gib(c['host_peak_rss_bytes'])} GiB", _cmd(run)])
+        if rows:
+            lines += _table(["what", "value", "notes", "command"], rows)
         else:
-            lines += [_status(run)] + (["", f"Command: {_cmd(run)}"] if run.get("command") else [])
+            lines += [p.get("error") or p.get("reason") or p["status"]]
         lines.append("")
     return "\n".join(lines)
 

@@ -131,9 +131,10 @@ def test_the_whole_plan_at_tiny_size_on_cpu(tmp_path):
     assert tar_run["result"]["data"]["data/skipped"] == 0
 
     # 6. Evaluation speed.
-    ev = parts["eval"]["runs"][0]["result"]
-    assert ev["encoder"]["images_per_s"] > 0 and ev["encoder"]["texts_per_s"] > 0
-    assert ev["csd"]["seconds"] > 0 and ev["csd"]["device_memory"] is None and ev["csd"]["gallery"] == 500
+    enc, ranks = (x["result"] for x in parts["eval"]["runs"])   # each in its own process
+    assert enc["encoder"]["images_per_s"] > 0 and enc["encoder"]["texts_per_s"] > 0 and "csd" not in enc
+    assert ranks["csd"]["seconds"] > 0 and ranks["csd"]["device_memory"] is None and ranks["csd"]["gallery"] == 500
+    assert "encoder" not in ranks
 
     md = (out / "results.md").read_text()
     for heading in ("## Train step", "## Largest per-device batch", "## Levers", "## Beside PyTorch",
