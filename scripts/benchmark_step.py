@@ -30,9 +30,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+_START = time.perf_counter()  # before jax's import: the process's own start-up is part of a run's cost
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 
 def load_config(spec: str):
@@ -292,9 +294,16 @@ def main(argv: list[str] | None = None) -> None:
         _write(args.json, result)
         return
 
+    # Where a run's wall time goes besides the compile (each lever is a process of its own, so
+    # start-up and initialisation bound how many fit in a lent machine's 10-minute call).
+    t_init = time.perf_counter()
+    jax.block_until_ready(bench.fresh_state())
+    init_s = time.perf_counter() - t_init
     batch = bench.batch(b)
     compiled, lower_s, compile_s = bench.compile(b, batch)
+    t_warm = time.perf_counter()
     bench.run(compiled, batch, 1)  # warm-up
+    warmup_s = time.perf_counter() - t_warm
     t0 = time.perf_counter()
     metrics = bench.run(compiled, batch, args.steps)
     step_s = (time.perf_counter() - t0) / args.steps
@@ -312,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
         "samples_per_s_per_device": b / step_s / n, "tflop_per_step": step_flops / 1e12,
         "tflops_per_device": tflops, "peak_tflops_per_device": _tera(flops_lib.peak_flops_per_device(kind, dtype)),
         "mfu": mfu, "compiled_memory": compiled_memory(compiled), "device_memory": mem,
-        "loss": float(metrics["loss"])})
+        "loss": float(metrics["loss"]), "startup_s": t_init - _START, "init_s": init_s, "warmup_s": warmup_s})
     if mem is None:
         result["device_memory_skipped"] = f"memory_stats() reports nothing on {jax.default_backend()}"
     print(f"compile: {compile_s:.1f} s (+ {lower_s:.1f} s tracing)")
@@ -327,6 +336,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"peak device memory: {mem.get('peak_bytes_in_use', 0) / 2 ** 30:.3g} GiB of "
               f"{mem.get('bytes_limit', 0) / 2 ** 30:.3g} GiB")
     print(f"loss after {args.steps + 1} steps: {result['loss']:.4f}")
+    print(f"wall time: start-up (imports, config, model) {result['startup_s']:.1f} s, train state "
+          f"{init_s:.1f} s, tracing + compile {lower_s + compile_s:.1f} s, warm-up step {warmup_s:.1f} s, "
+          f"{args.steps} timed steps {step_s * args.steps:.1f} s")
 
     _write(args.json, result)  # the figures so far, whatever the extras below do
     if args.profile:

@@ -91,6 +91,7 @@ def test_the_whole_plan_at_tiny_size_on_cpu(tmp_path):
     assert parts["step"]["status"] == "ok", parts["step"]
     main = parts["step"]["runs"][0]["result"]
     assert main["compile_s"] > 0 and main["step_s"] > 0 and main["samples_per_s"] > 0
+    assert main["startup_s"] > 0 and main["init_s"] > 0 and main["warmup_s"] > 0   # the run's other costs
     assert main["tflops_per_device"] > 0 and main["mfu"] is None and main["peak_tflops_per_device"] is None
     assert main["matmul"]["tflops"] > 0 and main["matmul"]["step_fraction"] > 0
     assert main["device_memory"] is None and "memory_stats" in main["device_memory_skipped"]
