@@ -207,8 +207,8 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     if cpu:  # the tiny towers with the same heads (prolip_jax/models/config.py VARIANTS)
         variant, towers = CPU_TOWERS[method]
     c.model = mlc.ConfigDict(dict(variant=variant, config_json="", dtype="float32", remat="none",
-                                  attention_impl="auto", embed_dim=0 if cpu else EMBED_DIM, **model, vision=dict(towers["vision"]),
-                                  text=dict(towers["text"])))
+                                  attention_impl="auto", embed_dim=0 if cpu else EMBED_DIM, **model,
+                                  vision=dict(towers["vision"]), text=dict(towers["text"])))
 
     loss = dict(recipe["loss"])
     if "sum_warmup_epochs" in loss:  # cpu: a third of the run, as scripts/methods_synthetic.py

@@ -8,11 +8,11 @@ Encoder: `prolip_jax.encode.Encoder` (what `prolip_jax.load` and every evaluator
 initialised parameters of the config's model and random uint8 images / token ids, on all local
 devices; each tower is timed on its second pass (the first one compiles), host transfers
 included. Retrieval: `evaluators.retrieval.blocked_ranks` ("csd", the paper's protocol: query
-blocks scored against the whole gallery on device, the rank of each query's positive taken on
-the host), random unit-norm means and log sigma^2 of the model's embedding width. It runs first,
-so the device's peak memory (`memory_stats()`, None on CPU) is its own; the host's peak RSS is
-reported beside it. `--only` runs one of the two (the GPU plan runs each in its own process, so
-that each has its own time limit and its own peak memory).
+blocks scored against the whole gallery on device and each query's positive ranked there too),
+random unit-norm means and log sigma^2 of the model's embedding width. It runs first, so the
+device's peak memory (`memory_stats()`, None on CPU) is its own; the host's peak RSS is reported
+beside it. `--only` runs one of the two (the GPU plan runs each in its own process, so that each
+has its own time limit and its own peak memory).
 """
 from __future__ import annotations
 

@@ -786,8 +786,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             workers = tuple(int(w) for w in args.workers.split(","))
         except ValueError:
-            p.error(f"--workers {args.workers!r}: comma-separated positive integers, e.g. 8,16")
-        if min(workers) < 1:
+            workers = ()
+        if not workers or min(workers) < 1:
             p.error(f"--workers {args.workers!r}: comma-separated positive integers, e.g. 8,16")
         plan = dataclasses.replace(plan, workers=workers)
     try:

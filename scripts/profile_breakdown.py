@@ -111,7 +111,7 @@ def hlo_modules(xplane: bytes) -> dict[str, dict[str, dict]]:
 
 
 def _instructions(module: bytes) -> dict[str, dict]:
-    computations, by_id = {}, {}
+    computations, by_name = {}, {}
     for f, comp in _fields(module):                       # HloModuleProto.computations
         if f != 3:
             continue
@@ -134,11 +134,11 @@ def _instructions(module: bytes) -> dict[str, dict]:
                         d["called"] += _ints(x)
                 insts.append(d)
         computations[cid] = insts
-        by_id.update({d["name"]: d for d in insts})
-    for d in by_id.values():
+        by_name.update({d["name"]: d for d in insts})
+    for d in by_name.values():
         d["fused"] = [(x.get("op"), x.get("shape")) for c in d.pop("called") for x in computations.get(c, [])
                       if x.get("op") not in ("parameter", "constant", "broadcast", "bitcast", "tuple")]
-    return by_id
+    return by_name
 
 
 # ----------------------------------------------------------------------------- the breakdown
