@@ -108,9 +108,10 @@ def _zero_shot(checkpoint, test) -> float:
 
 
 # PCME++ (its objective, MSDA, pseudo-positives, AdamP, step schedule, SWA; its own heads, the
-# log sigma^2 bias started at -10 at this size: configs/caption_recipes.py CPU_TOWERS), Pishdad et al. (bounded W2 triplet after
-# the sum warm-up), VSE∞, PCME, DAA on PCME (its weight scaled to batch 32: at the paper's 1000
-# both towers collapse, configs/caption_recipes.py) and the InfoNCE baseline, ~20-40 s each.
+# log sigma^2 bias started at -10 at this size: configs/caption_recipes.py CPU_TOWERS), Pishdad
+# et al. (bounded W2 triplet after the sum warm-up), VSE∞, PCME, DAA on PCME (its weight scaled to
+# batch 32: at the paper's 1000 both towers collapse, configs/caption_recipes.py) and the InfoNCE
+# baseline, ~10-30 s each.
 @pytest.mark.parametrize("method", ["pcmepp", "pishdad", "vse", "pcme", "daa", "infonce"])
 def test_cpu_recipe_trains_and_learns(method, caption_set, tmp_path):
     """The command a user types, in a subprocess on one CPU device (the suite's 8 fake devices on
