@@ -65,9 +65,13 @@ def test_b16_magnitude():
 
 # ----------------------------------------------------------------- the model's own matmuls
 def _dot_flops(jaxpr) -> float:
-    """Sum of 2 * (output size) * (contracted size) over every dot_general, sub-jaxprs included."""
+    """Sum of 2 * (output size) * (contracted size) over every dot_general, sub-jaxprs included
+    (of a cond, the costliest branch)."""
     total = 0.0
     for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":  # one branch runs: lax.platform_dependent's CPU/default forms
+            total += max(_dot_flops(branch.jaxpr) for branch in eqn.params["branches"])
+            continue
         if eqn.primitive.name == "dot_general":
             (lhs_contract, _), _ = eqn.params["dimension_numbers"]
             k = math.prod(eqn.invars[0].aval.shape[d] for d in lhs_contract)
