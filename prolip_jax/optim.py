@@ -122,14 +122,6 @@ class OptimConfig:
 
 # The fine-tuning fields of `config.optim` and their defaults.
 FINETUNE_DEFAULTS = {k: getattr(OptimConfig(), k) for k in ("locked", "unlock_step", "groups", "layer_decay")}
-# The recipe fields (module docstring) and their defaults.
-RECIPE_DEFAULTS = {k: getattr(OptimConfig(), k) for k in (
-    "unlock_warmup_steps", "unlock_warmup_form", "name", "adamp_delta", "adamp_wd_ratio", "adamp_nesterov", "schedule",
-    "step_boundaries", "step_factor", "cosine_steps", "swa_start_step", "swa_every_steps")}
-# The fields a checkpoint's optimiser (its opt_state's layout) is rebuilt from: a checkpoint saved
-# without one of them was saved with its default. (Only locked, unlock_step, groups, layer_decay,
-# name and swa_every_steps change the layout; the others are here so the merged config is valid.)
-LAYOUT_DEFAULTS = {**FINETUNE_DEFAULTS, **RECIPE_DEFAULTS}
 GROUP_KEYS = ("pattern", "lr_mult", "weight_decay")
 
 # Parameters before the first transformer block of a tower (layer-wise lr decay's "layer 0").
@@ -345,6 +337,14 @@ class Recipe(NamedTuple):
     cosine_steps: int
     swa_start_step: int
     swa_every_steps: int
+
+
+# The recipe fields (module docstring, named once: Recipe's fields) and their OptimConfig defaults.
+RECIPE_DEFAULTS = {k: getattr(OptimConfig(), k) for k in Recipe._fields}
+# The fields a checkpoint's optimiser (its opt_state's layout) is rebuilt from: a checkpoint saved
+# without one of them was saved with its default. (Only locked, unlock_step, groups, layer_decay,
+# name and swa_every_steps change the layout; the others are here so the merged config is valid.)
+LAYOUT_DEFAULTS = {**FINETUNE_DEFAULTS, **RECIPE_DEFAULTS}
 
 
 def _is_int(v) -> bool:

@@ -7,6 +7,7 @@ AdamP is checked against a float64 numpy transcription of clovaai/AdamP `adamp.p
 choice of Flax channel axes is checked with it."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -534,6 +535,15 @@ def test_defaults_keep_todays_optimizer():
     jax.tree.map(np.testing.assert_array_equal, ours, theirs)
     assert optim.OptimConfig().name == "adamw" and optim.OptimConfig().schedule == "warmup_cosine"
     assert set(optim.LAYOUT_DEFAULTS) >= {"name", "swa_every_steps", "locked"}
+
+
+def test_every_optim_field_is_validated():
+    """A field added to OptimConfig must reach a validator: the base checks, finetune_config or
+    recipe_config (whose field list is Recipe's)."""
+    base = {"lr", "warmup_steps", "b1", "b2", "eps", "weight_decay", "clip_norm", "end_lr"}
+    fields = {f.name for f in dataclasses.fields(optim.OptimConfig)}
+    assert fields == base | set(optim.FINETUNE_DEFAULTS) | set(optim.RECIPE_DEFAULTS)
+    assert not set(optim.FINETUNE_DEFAULTS) & set(optim.RECIPE_DEFAULTS)
 
 
 @pytest.mark.parametrize("extra, message", [
