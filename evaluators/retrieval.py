@@ -64,14 +64,18 @@ def positive_ranks(scores: np.ndarray, positives: np.ndarray) -> np.ndarray:
         return np.where(valid, got, _PAD).astype(np.int64)
     ranks = np.full(positives.shape, _PAD, np.int64)
     cols = np.arange(m)[None, :]
-    rows = np.arange(q)
     for j in range(positives.shape[1]):
         pos = positives[:, j]
-        valid = pos >= 0
-        sp = scores[rows, np.where(valid, pos, 0)][:, None]
-        r = (scores > sp).sum(1) + ((scores == sp) & (cols < pos[:, None])).sum(1)
-        ranks[:, j] = np.where(valid, r, _PAD)
+        ranks[:, j] = np.where(pos >= 0, _rank_of(np, scores, pos, cols), _PAD)
     return ranks
+
+
+def _rank_of(xp: Any, scores: Any, pos: Any, cols: Any) -> Any:
+    """The tie rule, once for the host (xp=numpy) and the device (jax.numpy): the 0-based rank
+    of gallery item pos[i] in row i, #{s > s_p} + #{j < p : s_j == s_p}. pos [b] (-1: any
+    value, masked by the caller), cols [1, M] the gallery indices."""
+    sp = xp.take_along_axis(scores, xp.maximum(pos, 0)[:, None], 1)
+    return (scores > sp).sum(1) + ((scores == sp) & (cols < pos[:, None])).sum(1)
 
 
 def full_ranks(scores: np.ndarray) -> np.ndarray:
@@ -221,10 +225,7 @@ def _device_ranks(scores: jax.Array, positives: jax.Array, exclude: jax.Array | 
         scores = jnp.where(cols == exclude[:, None], -jnp.inf, scores)
 
     def one(p: jax.Array) -> jax.Array:   # [b]: one positive per query
-        sp = jnp.take_along_axis(scores, jnp.maximum(p, 0)[:, None], 1)
-        r = jnp.sum(scores > sp, 1, dtype=jnp.int32) + jnp.sum((scores == sp) & (cols < p[:, None]), 1,
-                                                                dtype=jnp.int32)
-        return jnp.where(p >= 0, r, -1)
+        return jnp.where(p >= 0, _rank_of(jnp, scores, p, cols).astype(jnp.int32), -1)
 
     return jax.vmap(one, in_axes=1, out_axes=1)(positives)
 
