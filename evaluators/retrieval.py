@@ -56,7 +56,7 @@ def positive_ranks(scores: np.ndarray, positives: np.ndarray) -> np.ndarray:
     """
     scores = np.asarray(scores)
     positives = np.asarray(positives, np.int64)
-    q, m = scores.shape
+    m = scores.shape[1]
     if positives.shape[1] > _MANY_POSITIVES:   # class-level positives (CUB): one sort per row
         full = full_ranks(scores)
         valid = positives >= 0
