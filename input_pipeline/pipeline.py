@@ -18,17 +18,16 @@ data.max_truncated_share (truncation is silent otherwise: a cut class word is ju
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import logging
-import sys
 from typing import Any, Callable, Mapping, Sequence
 
 import grain
 import numpy as np
 
 from input_pipeline import paths as paths_lib
+from input_pipeline import shared_batches
 from input_pipeline import sources
 from input_pipeline import tar_source
 from input_pipeline import transforms
@@ -58,11 +57,15 @@ class _BatchDataset(grain.IterDataset):
         self.normalization, self.image_dtype = normalization, image_dtype
         self.image_size = image_size
         self.shared_memory = False
+        self.ring_slots = 1
 
-    def enable_shared_memory_output(self) -> None:
-        """Called by grain's mp_prefetch: build images straight into shared memory, which
-        saves the copy grain would otherwise make to send them to the main process."""
+    def enable_shared_memory_output(self, ring_slots: int = 5) -> None:
+        """Called in the worker processes (grain's mp_prefetch): build the images straight into
+        a ring of reused shared-memory buffers (shared_batches.py), which saves the copy grain
+        would make to send them and the fresh pages of a new segment per batch. `ring_slots`:
+        batches a worker may have in flight before it falls back to a one-off segment."""
         self.shared_memory = True
+        self.ring_slots = max(self.ring_slots, ring_slots)
 
     def __iter__(self) -> "_BatchIterator":
         return _BatchIterator(self._parent.__iter__(), self)
@@ -71,36 +74,13 @@ class _BatchDataset(grain.IterDataset):
         return f"_BatchDataset(batch_size={self.batch_size}, train={self.train})"
 
 
-_MADV_POPULATE_WRITE = 23   # Linux >= 5.14 (uapi/asm-generic/mman-common.h)
-_madvise = None
-
-
-def _prefault(array: np.ndarray) -> np.ndarray:
-    """Maps in all pages of a fresh shared-memory batch in one madvise call. Each batch is a new
-    segment (grain's protocol), so writing the images into it would otherwise fault every 4 KB
-    page in one by one: ~125 us of system time per 224 px image, ~100 us with this
-    (scripts/benchmark_input.py measures the pipeline). Without the call (not Linux, an older
-    kernel) the pages fault in on first write as before; the contents are the same."""
-    global _madvise
-    if _madvise is None:
-        _madvise = False
-        if sys.platform.startswith("linux"):
-            try:
-                libc = ctypes.CDLL(None, use_errno=True)
-                libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                _madvise = libc.madvise
-            except (OSError, AttributeError):
-                pass
-    if _madvise and array.nbytes and _madvise(array.ctypes.data, array.nbytes, _MADV_POPULATE_WRITE):
-        _madvise = False   # EINVAL: a kernel without it; stop asking
-    return array
-
-
 class _BatchIterator(grain.DatasetIterator):
 
     def __init__(self, parent: grain.DatasetIterator, ds: _BatchDataset):
         super().__init__(parent)
         self._ds = ds
+        self._ring: shared_batches.ImageRing | None = None
+        self._outgoing: Any = None   # what is sent instead of the images built in the ring
 
     def __next__(self) -> dict[str, np.ndarray]:
         ds = self._ds
@@ -159,7 +139,9 @@ class _BatchIterator(grain.DatasetIterator):
         if ds.image_dtype == "float32":
             images = transforms.normalize(
                 images, ds.normalization, out=self._array(images.shape, np.float32, True))
-        out = {"image": images, "text": text, "_skipped": counts}
+        out = {"image": images if self._outgoing is None else self._outgoing, "text": text,
+               "_skipped": counts}
+        self._outgoing = None
         if truncated is not None:
             out["_truncated"] = truncated
         if not ds.train:
@@ -172,10 +154,13 @@ class _BatchIterator(grain.DatasetIterator):
         return out
 
     def _array(self, shape: tuple[int, ...], dtype: Any, final: bool) -> np.ndarray:
-        """An uninitialised array; in shared memory if it is what leaves the worker."""
+        """An uninitialised array; in the worker's ring if it is what leaves the worker (then
+        self._outgoing is what to send in its place)."""
         if final and self._ds.shared_memory:
-            from grain._src.python.ipc import shared_memory_array
-            return _prefault(shared_memory_array.SharedMemoryArray(shape, dtype))
+            if self._ring is None:
+                self._ring = shared_batches.ImageRing(self._ds.ring_slots)
+            array, self._outgoing = self._ring.take(shape, dtype)
+            return array
         return np.empty(shape, dtype)
 
     def get_state(self) -> dict[str, Any]:
@@ -211,11 +196,13 @@ class InputIterator(grain.DatasetIterator):
         self._context_length = context_length
         self._warned_truncation = False
         self._started = False
+        self._receiver = shared_batches.Receiver()   # images from worker processes' rings
 
     def __next__(self) -> dict[str, np.ndarray]:
         self._assert_not_closed()
         self._started = True
         batch = dict(next(self._parent))
+        batch["image"] = self._receiver.receive(batch["image"])
         self._counts += np.asarray(batch.pop("_skipped"))
         self._examples += int(batch["mask"].sum()) if "mask" in batch else len(batch["text"])
         self._batches += 1
@@ -223,6 +210,10 @@ class InputIterator(grain.DatasetIterator):
             self._truncated = (self._truncated or 0) + int(batch.pop("_truncated"))
             self._check_truncation()
         return batch
+
+    def close(self) -> None:
+        super().close()   # stops the workers
+        self._receiver.close()
 
     def _check_truncation(self) -> None:
         """Warns once when the share of truncated captions passes the configured limit."""
@@ -523,10 +514,12 @@ def _build(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer | None, 
                        train=train, image_size=cfg.image_size)
     if cfg.num_workers > 0:
         _ensure_absl_flags_parsed()
-        # Images straight into shared memory. grain's mp_prefetch asks for this itself only with
-        # two or more workers (one worker's dataset is wrapped before its check), and otherwise
-        # copies every batch into a fresh segment: 9.6 MB per 64 images at 224 px.
-        ds.enable_shared_memory_output()
+        # Images straight into reused shared memory. grain's mp_prefetch asks for shared memory
+        # itself only with two or more workers (one worker's dataset is wrapped before its
+        # check), and otherwise copies every batch into a fresh segment: 9.6 MB per 64 images
+        # at 224 px. A worker's batches in flight: its queue and the main process's interleave
+        # buffer (per_worker_buffer_size each), the one being built and the one being copied.
+        ds.enable_shared_memory_output(ring_slots=2 * cfg.per_worker_buffer_size + 3)
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(
             num_workers=cfg.num_workers, per_worker_buffer_size=cfg.per_worker_buffer_size))
     fingerprint = {

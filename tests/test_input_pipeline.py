@@ -1,5 +1,6 @@
 """Input pipeline: determinism, exact resume, host sharding, batch format, errors."""
 import json
+import os
 import sys
 
 import numpy as np
@@ -236,20 +237,20 @@ def test_brace_and_glob_expansion(tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
 def test_shared_memory_batch_is_prefaulted():
-    """pipeline._prefault maps a fresh shared-memory batch in at once: writing it afterwards
+    """shared_batches.prefault maps a fresh shared-memory batch in at once: writing it afterwards
     takes (almost) no page faults, where the same write into an untouched segment faults every
     page; the contents stay zero and writable."""
     import resource
 
     from grain._src.python.ipc import shared_memory_array
 
-    from input_pipeline import pipeline
+    from input_pipeline import shared_batches
 
     def faults_writing(prefault: bool) -> tuple[int, np.ndarray]:
         a = shared_memory_array.SharedMemoryArray((16, 64, 64, 3), np.uint8)
         a.unlink_on_del()
         if prefault:
-            pipeline._prefault(a)
+            shared_batches.prefault(a)
             assert not a.any()   # (reading maps the pages too: only after the prefault)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         a[...] = 7
@@ -258,7 +259,7 @@ def test_shared_memory_batch_is_prefaulted():
     pages = 16 * 64 * 64 * 3 // 4096
     plain, _ = faults_writing(False)
     done, a = faults_writing(True)
-    if pipeline._madvise is False:
+    if shared_batches._madvise is False:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (< 5.14)")
     assert plain >= pages // 2, (plain, pages)
     assert done <= pages // 10, (done, pages)
@@ -267,8 +268,10 @@ def test_shared_memory_batch_is_prefaulted():
 
 def test_one_worker_builds_batches_in_shared_memory(data):
     """With worker processes the batch is built in shared memory, also with one worker (grain's
-    mp_prefetch enables that itself only for two or more, and copies each batch otherwise); the
-    batches are those of the in-process pipeline."""
+    mp_prefetch enables that itself only for two or more, and copies each batch otherwise), in
+    a ring of reused segments: 12 batches through 5 slots (2 x per_worker_buffer_size + 3). The
+    main process hands out copies it owns, equal to the in-process pipeline's batches, and no
+    segment is left behind once the iterator is closed."""
     import grain
 
     def batch_datasets(ds):   # through grain's wrappers (parents, interleaved worker datasets)
@@ -288,9 +291,58 @@ def test_one_worker_builds_batches_in_shared_memory(data):
     assert [d.shared_memory for d in batch_datasets(ds)] == [True]
     ds, _ = pipeline.build_dataset(_config(data, "tar", num_workers=0), TOK, process_index=0, process_count=1)
     assert [d.shared_memory for d in batch_datasets(ds)] == [False]
-    with pipeline.build_train_iterator(_config(data, "tar", num_workers=1), TOK, process_index=0,
-                                       process_count=1) as it:
-        got = _take(it, 2)
+    from input_pipeline import shared_batches
+    sent = []
+    with pipeline.build_train_iterator(_config(data, "tar", num_workers=1, per_worker_buffer_size=1),
+                                       TOK, process_index=0, process_count=1) as it:
+        receive = it._receiver.receive
+        it._receiver.receive = lambda value: receive(sent.append(value) or value)
+        got = _take(it, 12)
+    assert all(isinstance(v, shared_batches.SharedImages) for v in sent) and len(sent) == 12
+    assert len({v.data for v in sent}) == 5 and {v.slot for v in sent} == set(range(5))
+    assert all(b["image"].flags.owndata and type(b["image"]) is np.ndarray for b in got)
+    if os.path.isdir("/dev/shm"):   # the worker unlinked its ring as it stopped
+        assert not [v for v in sent if os.path.exists(f"/dev/shm/{v.data}")]
+        assert not os.path.exists(f"/dev/shm/{sent[0].flags}")
     with pipeline.build_train_iterator(_config(data, "tar", num_workers=0), TOK, process_index=0,
                                        process_count=1) as it:
-        _assert_same(got, _take(it, 2))
+        _assert_same(got, _take(it, 12))
+
+
+def test_image_ring_reuses_free_slots_and_never_overwrites_busy_ones():
+    """ImageRing/Receiver in one process: a slot is reused only after the receiver copied it out;
+    with every slot busy the batch goes in a one-off segment; received arrays are copies."""
+    import gc
+
+    from grain._src.python.ipc import shared_memory_array
+
+    from input_pipeline import shared_batches
+    ring, receiver = shared_batches.ImageRing(2), shared_batches.Receiver()
+    a, first = ring.take((2, 3), np.uint8)
+    a[...] = 1
+    b, second = ring.take((2, 3), np.uint8)
+    b[...] = 2
+    c, third = ring.take((2, 3), np.uint8)   # both slots busy: a one-off grain segment
+    assert (first.slot, second.slot) == (0, 1) and c is third
+    assert isinstance(third, shared_memory_array.SharedMemoryArray)
+    third.unlink_on_del()
+    got = receiver.receive(first)
+    assert got.tolist() == [[1] * 3] * 2 and receiver.receive("other") == "other"
+    d, fourth = ring.take((2, 3), np.uint8)   # slot 0 again, the same segment
+    assert (fourth.slot, fourth.data) == (0, first.data)
+    d[...] = 4
+    assert got.tolist() == [[1] * 3] * 2     # the received copy is not the slot
+    assert receiver.receive(second).tolist() == [[2] * 3] * 2
+    assert receiver.receive(fourth).tolist() == [[4] * 3] * 2
+    e, fifth = ring.take((4, 3), np.float32)   # larger than the slot: a new segment for it
+    assert fifth.data not in (first.data, second.data)
+    e[...] = 0.5
+    assert receiver.receive(fifth).dtype == np.float32 and receiver.receive(fifth).sum() == 6
+    receiver.close()
+    names = [first.flags, second.data, fifth.data]
+    del a, b, c, d, e, ring
+    gc.collect()
+    if os.path.isdir("/dev/shm"):
+        assert not [n for n in names if os.path.exists(f"/dev/shm/{n}")]
+    with pytest.raises(ValueError, match="at least one slot"):
+        shared_batches.ImageRing(0)
