@@ -462,7 +462,11 @@ class _Compose:
 def build_dataset(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer | None = None,
                   *, train: bool = True, process_index: int | None = None,
                   process_count: int | None = None) -> tuple[grain.IterDataset, dict[str, Any]]:
-    """The grain IterDataset of per-host batches, and the fingerprint of its data order."""
+    """The grain IterDataset of per-host batches, and the fingerprint of its data order.
+
+    Lower level than the iterators: batches still carry the workers' "_skipped" counts, and with
+    worker processes each "image" is a shared_batches.SharedImages to be turned into an array by
+    a shared_batches.Receiver (as InputIterator does), which also frees the slot for reuse."""
     return _build(config, tokenizer, train, process_index, process_count)[:2]
 
 
