@@ -169,6 +169,8 @@ class _BatchIterator(grain.DatasetIterator):
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._parent.set_state(state)
+        if self._ring is not None:   # in a worker: what it sent before is discarded unread
+            self._ring.release_all()
 
 
 class InputIterator(grain.DatasetIterator):

@@ -117,6 +117,12 @@ class ImageRing:
         self._flags.buf[k] = _BUSY
         return array, SharedImages(self._flags.name, k, segment.name, tuple(shape), dtype.str)
 
+    def release_all(self) -> None:
+        """Marks every slot free. Only for a worker told to set its state: grain's main process
+        discards, unread, every element the worker sent before that (prefetch.py's
+        _SetStateIsDone), so no slot is still being read."""
+        self._flags.buf[:self.slots] = bytes(self.slots)
+
     @staticmethod
     def _unlink(*groups: list[shared_memory.SharedMemory | None]) -> None:
         for group in groups:

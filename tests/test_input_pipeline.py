@@ -338,9 +338,18 @@ def test_image_ring_reuses_free_slots_and_never_overwrites_busy_ones():
     assert fifth.data not in (first.data, second.data)
     e[...] = 0.5
     assert receiver.receive(fifth).dtype == np.float32 and receiver.receive(fifth).sum() == 6
+    g, sixth = ring.take((4, 3), np.float32)   # both slots busy again, never received
+    h, seventh = ring.take((4, 3), np.float32)
+    assert {sixth.slot, seventh.slot} == {0, 1}
+    _, eighth = ring.take((4, 3), np.float32)
+    assert isinstance(eighth, shared_memory_array.SharedMemoryArray)
+    eighth.unlink_on_del()
+    del _
+    ring.release_all()   # a worker whose state was set: grain dropped what it had sent
+    assert isinstance(ring.take((4, 3), np.float32)[1], shared_batches.SharedImages)
     receiver.close()
     names = [first.flags, second.data, fifth.data]
-    del a, b, c, d, e, ring
+    del a, b, c, d, e, g, h, ring
     gc.collect()
     if os.path.isdir("/dev/shm"):
         assert not [n for n in names if os.path.exists(f"/dev/shm/{n}")]
