@@ -1,7 +1,7 @@
 """The COCO caption recipes (configs/<method>_coco.py): every one parses into a valid trainer
 config at paper size, and the CPU-sized versions of every recipe (PCME++, PCME, DAA, Pishdad et al., VSE∞, InfoNCE) train in the real trainer
 on a generated Karpathy-format caption set (demo shapes, five captions per image) and learn:
-held-out colour x shape zero-shot accuracy above 10% (chance 1/36), read back with
+held-out colour x shape zero-shot top-5 accuracy above 35% (chance 5/36), read back with
 prolip_jax.load from the last checkpoint and (PCME++) from the SWA average."""
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -96,15 +97,46 @@ def caption_set(tmp_path_factory):
     return root, test
 
 
-def _zero_shot(checkpoint, test) -> float:
+def _zero_shot(checkpoint, test) -> tuple[float, float]:
+    """Held-out zero-shot (top-1, top-5) accuracy over the 36 colour x shape prompts."""
     import prolip_jax
 
     model = prolip_jax.load(checkpoint)
     names = [f"a {c} {s}" for c in render.COLOUR_NAMES for s in render.SHAPES]  # class = colour * 6 + shape
     t_mu, _ = model.encode_text(model.tokenize(names))
     i_mu, _ = model.encode_image(model.preprocess([Image.open(p) for p, _ in test]))
-    pred = np.argmax(i_mu @ t_mu.T, axis=1)
-    return float(np.mean(pred == np.array([c for _, c in test])))
+    scores = np.asarray(i_mu @ t_mu.T)
+    labels = np.array([c for _, c in test])
+    true = scores[np.arange(len(labels)), labels][:, None]
+    rank = (scores >= true).sum(axis=1) - 1   # ties count against the true class
+    return float(np.mean(rank == 0)), float(np.mean(rank < 5))
+
+
+CPU_METHODS = ("pcmepp", "pishdad", "vse", "pcme", "daa", "infonce")
+
+
+@pytest.fixture(scope="module")
+def cpu_trainings(request, caption_set, tmp_path_factory):
+    """The selected CPU recipes' trainings, two at a time from the first test's start, in the
+    tests' order: each run is one process on one CPU device and much of it (start-up, compiling)
+    is single-threaded, so two side by side on 2 cores beat one after the other.
+    method -> future of (the finished process, its workdir)."""
+    selected = [item.callspec.params["method"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_cpu_recipe_trains_and_learns"]
+    root, _ = caption_set
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu")
+
+    def train_one(method):
+        workdir = tmp_path_factory.mktemp(method)
+        return subprocess.run(
+            [sys.executable, "-m", "prolip_jax.train", "--config", f"configs/{method}_coco.py:size=cpu",
+             "--workdir", str(workdir), f"--config.data.caption_file={root / 'dataset_coco.json'}",
+             f"--config.data.image_root={root}", f"--config.data.tokenizer.path={root / 'tokenizer.json'}"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900), workdir
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {method: pool.submit(train_one, method) for method in selected}
 
 
 # PCME++ (its objective, MSDA, pseudo-positives, AdamP, step schedule, SWA; its own heads, the
@@ -112,22 +144,19 @@ def _zero_shot(checkpoint, test) -> float:
 # et al. (bounded W2 triplet after the sum warm-up), VSE∞, PCME, DAA on PCME (its weight scaled to
 # batch 32: at the paper's 1000 both towers collapse, configs/caption_recipes.py) and the InfoNCE
 # baseline, ~10-30 s each.
-@pytest.mark.parametrize("method", ["pcmepp", "pishdad", "vse", "pcme", "daa", "infonce"])
-def test_cpu_recipe_trains_and_learns(method, caption_set, tmp_path):
+@pytest.mark.parametrize("method", CPU_METHODS)
+def test_cpu_recipe_trains_and_learns(method, caption_set, cpu_trainings):
     """The command a user types, in a subprocess on one CPU device (the suite's 8 fake devices on
     2 cores can starve XLA:CPU's in-process collectives, e.g. MSDA's reversed-partner permute)."""
-    root, test = caption_set
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu")
-    run = subprocess.run(
-        [sys.executable, "-m", "prolip_jax.train", "--config", f"configs/{method}_coco.py:size=cpu",
-         "--workdir", str(tmp_path), f"--config.data.caption_file={root / 'dataset_coco.json'}",
-         f"--config.data.image_root={root}", f"--config.data.tokenizer.path={root / 'tokenizer.json'}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    _, test = caption_set
+    run, tmp_path = cpu_trainings[method].result()
     assert run.returncode == 0, run.stderr[-3000:]
-    zero_shot = _zero_shot(tmp_path / "checkpoints", test)
-    print(f"{method}: held-out zero-shot {zero_shot:.1%}")  # shown with pytest -s
-    assert zero_shot > 0.1, f"{method}: held-out zero-shot {zero_shot:.1%}"  # chance 1/36 = 2.8%
+    # Top-5 over the 72 held-out images, chance 5/36 = 13.9%: top-1 (chance 2.8%) is ~20% for
+    # most recipes but 11% for DAA at this size, too near any threshold to tell learning from
+    # luck with 72 images; top-5 is 80-89% (DAA 51%) at commit ba4878e.
+    top1, top5 = _zero_shot(tmp_path / "checkpoints", test)
+    print(f"{method}: held-out zero-shot top-1 {top1:.1%}, top-5 {top5:.1%}")  # pytest -s shows it
+    assert top5 > 0.35, f"{method}: held-out zero-shot top-5 {top5:.1%}, top-1 {top1:.1%}"
     c = config_args.load_config_file(f"configs/{method}_coco.py:size=cpu")
     if c.optim.get("swa_every_steps"):  # the weight average, saved beside the run (PCME++ App. B.3)
-        assert _zero_shot(tmp_path / "swa", test) > 0.1
+        assert _zero_shot(tmp_path / "swa", test)[1] > 0.35
