@@ -104,9 +104,8 @@ class ImageRing:
         self._next = (k + 1) % self.slots
         segment = self._data[k]
         if segment is None or segment.size < nbytes:
-            if segment is not None:
-                segment.close()
-                segment.unlink()
+            if segment is not None:   # a larger batch than before: this slot's segment grows
+                ImageRing._unlink([segment])
             segment = self._data[k] = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
             fresh = True
         else:
@@ -119,8 +118,8 @@ class ImageRing:
 
     def release_all(self) -> None:
         """Marks every slot free. Only for a worker told to set its state: grain's main process
-        discards, unread, every element the worker sent before that (prefetch.py's
-        _SetStateIsDone), so no slot is still being read."""
+        discards, unread, every element the worker sent before that (grain's
+        process_prefetch.py, _SetStateIsDone), so no slot is still being read."""
         self._flags.buf[:self.slots] = bytes(self.slots)
 
     @staticmethod
