@@ -57,6 +57,28 @@ def prefault(array: np.ndarray) -> np.ndarray:
     return array
 
 
+def _free_shm_bytes() -> int | None:
+    """Bytes free in /dev/shm (None where there is none: not Linux)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _check_room(nbytes: int) -> None:
+    """A full /dev/shm would kill the worker with SIGBUS on the first write into the new segment
+    (tmpfs allocates pages as they are touched); say what to change instead."""
+    free = _free_shm_bytes()
+    if free is not None and free < nbytes:
+        raise OSError(
+            f"/dev/shm has {free / 2**20:.0f} MiB free, and an input worker needs "
+            f"{nbytes / 2**20:.1f} MiB more for a batch of images (each worker keeps up to "
+            "2 x data.per_worker_buffer_size + 3 batches there). Enlarge /dev/shm (in a container: "
+            "docker run --shm-size=...) or lower data.num_workers, data.per_worker_buffer_size or "
+            "the per-host batch size.")
+
+
 @dataclass(frozen=True)
 class SharedImages:
     """What crosses grain's queue instead of the images: slot `slot` of the ring whose flags
@@ -99,6 +121,7 @@ class ImageRing:
                 break
         else:
             from grain._src.python.ipc import shared_memory_array
+            _check_room(nbytes)
             array = prefault(shared_memory_array.SharedMemoryArray(shape, dtype))
             return array, array
         self._next = (k + 1) % self.slots
@@ -106,6 +129,8 @@ class ImageRing:
         if segment is None or segment.size < nbytes:
             if segment is not None:   # a larger batch than before: this slot's segment grows
                 ImageRing._unlink([segment])
+                self._data[k] = None
+            _check_room(nbytes)
             segment = self._data[k] = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
             fresh = True
         else:

@@ -355,3 +355,17 @@ def test_image_ring_reuses_free_slots_and_never_overwrites_busy_ones():
         assert not [n for n in names if os.path.exists(f"/dev/shm/{n}")]
     with pytest.raises(ValueError, match="at least one slot"):
         shared_batches.ImageRing(0)
+
+
+def test_image_ring_says_when_dev_shm_is_too_small(monkeypatch):
+    """A full /dev/shm would kill the worker by SIGBUS mid-write; the ring refuses first, naming
+    the sizes and what to change (grain re-raises it in the main process)."""
+    from input_pipeline import shared_batches
+    monkeypatch.setattr(shared_batches, "_free_shm_bytes", lambda: 10 * 2**20)
+    ring = shared_batches.ImageRing(1)
+    with pytest.raises(OSError, match=r"/dev/shm has 10 MiB free.*needs 36.8 MiB.*--shm-size"):
+        ring.take((256, 224, 224, 3), np.uint8)
+    array, sent = ring.take((64, 16, 16, 3), np.uint8)   # small enough: fine
+    assert isinstance(sent, shared_batches.SharedImages)
+    shared_batches.Receiver().receive(sent)
+    del array
