@@ -60,7 +60,8 @@ class _BatchDataset(grain.IterDataset):
         self.ring_slots = 1
 
     def enable_shared_memory_output(self, ring_slots: int = 5) -> None:
-        """Called in the worker processes (grain's mp_prefetch): build the images straight into
+        """Set before the dataset goes to grain's worker processes (by _build, and by grain's
+        mp_prefetch itself with two or more workers): the workers build the images straight into
         a ring of reused shared-memory buffers (shared_batches.py), which saves the copy grain
         would make to send them and the fresh pages of a new segment per batch. `ring_slots`:
         batches a worker may have in flight before it falls back to a one-off segment."""
