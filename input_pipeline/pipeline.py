@@ -57,16 +57,17 @@ class _BatchDataset(grain.IterDataset):
         self.normalization, self.image_dtype = normalization, image_dtype
         self.image_size = image_size
         self.shared_memory = False
-        self.ring_slots = 1
+        self.per_worker_buffer_size = 1   # grain's default; sizes the workers' rings
 
-    def enable_shared_memory_output(self, ring_slots: int = 5) -> None:
-        """Set before the dataset goes to grain's worker processes (by _build, and by grain's
-        mp_prefetch itself with two or more workers): the workers build the images straight into
-        a ring of reused shared-memory buffers (shared_batches.py), which saves the copy grain
-        would make to send them and the fresh pages of a new segment per batch. `ring_slots`:
-        batches a worker may have in flight before it falls back to a one-off segment."""
+    def enable_shared_memory_output(self, per_worker_buffer_size: int | None = None) -> None:
+        """Set before the dataset goes to grain's worker processes (by _build, and again by
+        grain's mp_prefetch itself, without an argument, with two or more workers): the workers
+        build the images straight into a ring of reused shared-memory buffers (shared_batches.py),
+        which saves the copy grain would make to send them and the fresh pages of a new segment
+        per batch. The ring is sized for `per_worker_buffer_size` (None: as set before)."""
         self.shared_memory = True
-        self.ring_slots = max(self.ring_slots, ring_slots)
+        if per_worker_buffer_size is not None:
+            self.per_worker_buffer_size = per_worker_buffer_size
 
     def __iter__(self) -> "_BatchIterator":
         return _BatchIterator(self._parent.__iter__(), self)
@@ -159,7 +160,8 @@ class _BatchIterator(grain.DatasetIterator):
         self._outgoing is what to send in its place)."""
         if final and self._ds.shared_memory:
             if self._ring is None:
-                self._ring = shared_batches.ImageRing(self._ds.ring_slots)
+                self._ring = shared_batches.ImageRing(
+                    shared_batches.ring_slots(self._ds.per_worker_buffer_size))
             array, self._outgoing = self._ring.take(shape, dtype)
             return array
         return np.empty(shape, dtype)
@@ -524,9 +526,8 @@ def _build(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer | None, 
         # Images straight into reused shared memory. grain's mp_prefetch asks for shared memory
         # itself only with two or more workers (one worker's dataset is wrapped before its
         # check), and otherwise copies every batch into a fresh segment: 9.6 MB per 64 images
-        # at 224 px. A worker's batches in flight: its queue and the main process's interleave
-        # buffer (per_worker_buffer_size each), the one being built and the one being copied.
-        ds.enable_shared_memory_output(ring_slots=2 * cfg.per_worker_buffer_size + 3)
+        # at 224 px.
+        ds.enable_shared_memory_output(cfg.per_worker_buffer_size)
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(
             num_workers=cfg.num_workers, per_worker_buffer_size=cfg.per_worker_buffer_size))
     fingerprint = {

@@ -66,7 +66,14 @@ def _free_shm_bytes() -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def _check_room(nbytes: int) -> None:
+def ring_slots(per_worker_buffer_size: int) -> int:
+    """Slots a worker's ring needs so that it never falls back in steady state: the batches it
+    has in flight are its queue and the main process's interleave buffer (grain's
+    mp_prefetch: per_worker_buffer_size each), the one in each of their hands, and one spare."""
+    return 2 * per_worker_buffer_size + 3
+
+
+def _check_room(nbytes: int, slots: int) -> None:
     """A full /dev/shm would kill the worker with SIGBUS on the first write into the new segment
     (tmpfs allocates pages as they are touched); say what to change instead."""
     free = _free_shm_bytes()
@@ -74,9 +81,9 @@ def _check_room(nbytes: int) -> None:
         raise OSError(
             f"/dev/shm has {free / 2**20:.0f} MiB free, and an input worker needs "
             f"{nbytes / 2**20:.1f} MiB more for a batch of images (each worker keeps up to "
-            "2 x data.per_worker_buffer_size + 3 batches there). Enlarge /dev/shm (in a container: "
-            "docker run --shm-size=...) or lower data.num_workers, data.per_worker_buffer_size or "
-            "the per-host batch size.")
+            f"{slots} batches there, more with a larger data.per_worker_buffer_size). Enlarge "
+            "/dev/shm (in a container: docker run --shm-size=...) or lower data.num_workers, "
+            "data.per_worker_buffer_size or the per-host batch size.")
 
 
 @dataclass(frozen=True)
@@ -121,7 +128,7 @@ class ImageRing:
                 break
         else:
             from grain._src.python.ipc import shared_memory_array
-            _check_room(nbytes)
+            _check_room(nbytes, self.slots)
             array = prefault(shared_memory_array.SharedMemoryArray(shape, dtype))
             return array, array
         self._next = (k + 1) % self.slots
@@ -130,7 +137,7 @@ class ImageRing:
             if segment is not None:   # a larger batch than before: this slot's segment grows
                 ImageRing._unlink([segment])
                 self._data[k] = None
-            _check_room(nbytes)
+            _check_room(nbytes, self.slots)
             segment = self._data[k] = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
             fresh = True
         else:
