@@ -4,7 +4,7 @@ grain's mp_prefetch sends each batch's arrays in a new shared-memory segment tha
 process unlinks when it lets go of the array. A new segment is fresh memory: every 4 KB page of
 it is faulted in and zeroed by the kernel (and, in a VM that hands freed memory back, by the
 host): 3.5-3.8 us per page measured on the project's 2-vCPU VM, ~130 us per 224 px image, ~5% of
-a worker's time per image (`scripts/benchmark_input.py`; 0.1 us per page for a reused buffer).
+a worker's time per image (`benchmarks/benchmark_input.py`; 0.1 us per page for a reused buffer).
 
 So each worker keeps a ring of segments and writes every batch's images into a free slot
 (`ImageRing.take`); what crosses grain's queue is a small `SharedImages` descriptor. The main

@@ -1,4 +1,4 @@
-"""scripts/benchmark_cpu_step.py's `--profile` summary: thunk time per kind from a perfetto trace."""
+"""benchmarks/benchmark_cpu_step.py's `--profile` summary: thunk time per kind from a perfetto trace."""
 from __future__ import annotations
 
 import gzip
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from benchmark_cpu_step import thunk_times  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""scripts/benchmark_gpu.py: the GPU benchmark plan, run whole at test size on CPU.
+"""benchmarks/benchmark_gpu.py: the GPU benchmark plan, run whole at test size on CPU.
 
 On CPU the parts that need CUDA must come back skipped with their reason (cuDNN attention, the
 largest batch: no device memory limit), device memory as absent, MFU as unknown — never faked.
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import benchmark_gpu  # noqa: E402
 from benchmark_step import largest_fitting  # noqa: E402
@@ -79,7 +79,7 @@ def _runs(part: dict) -> dict:
 def test_the_whole_plan_at_tiny_size_on_cpu(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.run([sys.executable, "scripts/benchmark_gpu.py", "--out", str(out), "--tiny"],
+    p = subprocess.run([sys.executable, "benchmarks/benchmark_gpu.py", "--out", str(out), "--tiny"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stdout + p.stderr
     res = json.loads((out / "results.json").read_text())
@@ -98,7 +98,7 @@ def test_the_whole_plan_at_tiny_size_on_cpu(tmp_path):
     assert main["param_dtypes"] == ["float32"] and main["per_device_batch"] == 8
     with tarfile.open(out / "profile.tar.gz") as tar:
         assert any(n.endswith(".xplane.pb") for n in tar.getnames())
-    b = parts["step"].get("breakdown")   # scripts/profile_breakdown.py on that profile
+    b = parts["step"].get("breakdown")   # benchmarks/profile_breakdown.py on that profile
     assert b and b["device_ms_per_step"] > 0 and b["top_fusions"], parts["step"].get("breakdown_error")
     assert any(m.startswith("jit_train_step") for m in b["modules"])
 
@@ -141,7 +141,7 @@ def test_the_whole_plan_at_tiny_size_on_cpu(tmp_path):
     for heading in ("## Train step", "## Largest per-device batch", "## Levers", "## Beside PyTorch",
                     "## End to end", "## Evaluation speed"):
         assert heading in md
-    assert "`python scripts/benchmark_step.py --config configs/tiny.py:data=random --per-device-batch 8" in md
+    assert "`python benchmarks/benchmark_step.py --config configs/tiny.py:data=random --per-device-batch 8" in md
 
 
 @pytest.mark.parametrize("bad", ["a", "0", "8,-1"])

@@ -1,4 +1,4 @@
-"""scripts/compile_tpu.py: the real train step compiled ahead of time for a TPU topology on CPU.
+"""benchmarks/compile_tpu.py: the real train step compiled ahead of time for a TPU topology on CPU.
 
 Needs libtpu (`pip install -e '.[tpu]'`), the TPU compiler; skipped without it (CI has none).
 One compile of the tiny config for v4-8 (4 chips): ~25 CPU s, about a minute on a busy 2-core machine.
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("_compile_tpu", ROOT / "scripts" / "compile_tpu.py")
+    spec = importlib.util.spec_from_file_location("_compile_tpu", ROOT / "benchmarks" / "compile_tpu.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)

@@ -1,5 +1,5 @@
 """Every objective learns: the micro towers trained with the real train step on a 16-class
-synthetic set (scripts/methods_synthetic.py, 300 steps of batch 64 on one CPU device) rank the
+synthetic set (benchmarks/methods_synthetic.py, 300 steps of batch 64 on one CPU device) rank the
 held-out images above chance by a wide margin (chance 6.25%; asserted >= 50%). The
 ranking objectives (DAA on PCME / VSE, Smooth-AP), whose sigmoid-relaxed ranks cover every pair
 of pairs, train 150 steps of batch 32 instead (300 x 64 took 4-5 minutes each). The
@@ -10,7 +10,7 @@ the first third: with the hardest negative alone they stay at chance from random
 σ² on ambiguous inputs (blank images, colour-only captions): asserted where the method's paper
 predicts it and this set shows it (ProLIP: a caption true of four classes is more uncertain
 than a full one, paper 002 §4.3); the numbers for every method are in the README's Methods
-section, from `python scripts/methods_synthetic.py`.
+section, from `python benchmarks/methods_synthetic.py`.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("methods_synthetic", ROOT / "scripts" / "methods_synthetic.py")
+    spec = importlib.util.spec_from_file_location("methods_synthetic", ROOT / "benchmarks" / "methods_synthetic.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -406,7 +406,7 @@ def test_chunked_rank_sum_equals_one_shot():
 def test_rank_sum_slab_size_follows_the_compiled_platform():
     """The default slab size is the platform's the program is lowered for, not the host's: at
     Q = N = 160 the CPU program scans 4 slabs of 2^20 elements, the TPU program (compiled ahead of
-    time on this CPU host by scripts/compile_tpu.py) takes all 160 items in one."""
+    time on this CPU host by benchmarks/compile_tpu.py) takes all 160 items in one."""
     u = jnp.zeros((160, 160), jnp.float32)
     traced = jax.jit(lambda u: daa.masked_rank_sum(u, u, 0.2)).trace(u)
     assert "stablehlo.while" in traced.lower(lowering_platforms=("cpu",)).as_text()

@@ -1,4 +1,4 @@
-"""scripts/profile_breakdown.py on a real jax.profiler trace (CPU): the HLO it reads from the
+"""benchmarks/profile_breakdown.py on a real jax.profiler trace (CPU): the HLO it reads from the
 xplane names the JAX operation behind each kernel, with layer indices folded."""
 import sys
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import profile_breakdown  # noqa: E402
 
 

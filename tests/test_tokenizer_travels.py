@@ -80,7 +80,7 @@ def test_train_tokenizer_keeps_words_whole_and_reserves_mask(shards, tmp_path):
     assert "100.0% of them" in text and "unk 2, [MASK] 3" in text
     # context 6 < the 8 tokens of "a ... number seven" + EOS: every caption is cut, and it says so.
     assert "longest caption: 8 tokens" in text and "(100.0%) would be cut" in text and "warning: raise" in text
-    # The old recipe (scripts/benchmark_input.py: unigram) on the same corpus: near character level.
+    # The old recipe (benchmarks/benchmark_input.py: unigram) on the same corpus: near character level.
     import sentencepiece as spm
 
     model = io.BytesIO()

@@ -1,4 +1,4 @@
-"""scripts/torch_step.py, the PyTorch step that scripts/benchmark_cpu_step.py times beside ours:
+"""benchmarks/torch_step.py, the PyTorch step that benchmarks/benchmark_cpu_step.py times beside ours:
 from the same weights, batch, masked tokens and kept patches it gives our step's loss, gradient
 norm and updated parameters (float32). Skipped when torch is absent (`pip install torch==2.13.0`).
 """
@@ -20,8 +20,8 @@ from prolip_jax.models import ProLIP, get_config  # noqa: E402
 from prolip_jax.models.prolip import mask_text_tokens, random_keep_indices  # noqa: E402
 from prolip_jax.objectives import prolip as prolip_objective  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from torch_step import TorchTrainStep  # noqa: E402  (scripts/torch_step.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from torch_step import TorchTrainStep  # noqa: E402  (benchmarks/torch_step.py)
 
 B = 32
 CFG = S.StepConfig(masking=S.MaskingConfig(fraction=0.5, group=4, mask_token_id=63),

@@ -138,7 +138,7 @@ def scheduled_triplet(sim: jax.Array, positive: jax.Array | None, margin: float,
 
     VSE∞ (its train.py) trains the first epochs with VSE0's sum and then switches to the hardest
     negative: from random towers every image's hardest caption is the same one and the hardest-
-    negative loss alone stays at chance (scripts/methods_synthetic.py). Both branches are compiled
+    negative loss alone stays at chance (benchmarks/methods_synthetic.py). Both branches are compiled
     once; lax.cond runs one of them per step."""
     if not (max_violation and sum_warmup_steps and step is not None):
         return hardest_negative_triplet(sim, positive, margin, max_violation)

@@ -60,7 +60,7 @@ class Config:
     variance_bound: Literal["clip", "tanh"] = "clip"
     # True: the hardest negative (seed 001 eq. 3). False: the sum over negatives (VSE0), the
     # warm-up that VSE∞ uses before switching; from random towers the hardest negative alone
-    # collapses (scripts/methods_synthetic.py).
+    # collapses (benchmarks/methods_synthetic.py).
     max_violation: bool = True
     # VSE∞'s warm-up on the authors' VSE++ / VSRN code bases: the sum over negatives for the
     # first N steps, then max_violation's choice (contrastive.scheduled_triplet). 0: none.

@@ -1,6 +1,6 @@
 """Evaluation speed: the encoder's images/s and texts/s, and blocked CSD retrieval over a big gallery.
 
-    python scripts/benchmark_eval.py --config configs/prolip_b16_datacomp.py \
+    python benchmarks/benchmark_eval.py --config configs/prolip_b16_datacomp.py \
         [--images 8192 --texts 32768 --batch 1024] [--queries 50000 --gallery 1000000 --block 1024] \
         [--only encoder|csd] [--json OUT.json]
 

@@ -1,9 +1,9 @@
 r"""Compile the real ProLIP train step for a TPU pod on a CPU machine (no TPU needed).
 
     pip install -e '.[tpu]'     # libtpu, the TPU compiler (never part of the base install)
-    python scripts/compile_tpu.py --topology v5p-128 --config configs/prolip_b16_datacomp.py \
+    python benchmarks/compile_tpu.py --topology v5p-128 --config configs/prolip_b16_datacomp.py \
         [--config.batch_size=32768 --config.model.remat=full ...]
-    python scripts/compile_tpu.py --all --topology v4-256,v5p-128 [--out table.md]
+    python benchmarks/compile_tpu.py --all --topology v4-256,v5p-128 [--out table.md]
 
 libtpu describes a TPU slice it is not running on (`jax.experimental.topologies`, the approach
 of MaxText's train_compile.py): its devices are compile-only, enough to build the config's mesh,
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     md = table(reports)
     print("\n" + md)
     if args.out:
-        cmd = "python scripts/compile_tpu.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        cmd = "python benchmarks/compile_tpu.py " + " ".join(sys.argv[1:] if argv is None else argv)
         Path(args.out).write_text(f"<!-- {cmd} -->\n{md}\n")
     return 0
 

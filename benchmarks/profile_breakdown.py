@@ -1,9 +1,9 @@
 """Where a profiled step's device time goes, by kernel class and by the model code that made it.
 
-    python scripts/profile_breakdown.py PROFILE_DIR [--steps 3] [--top 30] [--json OUT.json]
+    python benchmarks/profile_breakdown.py PROFILE_DIR [--steps 3] [--top 30] [--json OUT.json]
 
-PROFILE_DIR is a `jax.profiler` trace (`scripts/benchmark_step.py --profile DIR`, or the
-`profile.tar.gz` of `scripts/benchmark_gpu.py`, unpacked). It reads the trace's kernel events
+PROFILE_DIR is a `jax.profiler` trace (`benchmarks/benchmark_step.py --profile DIR`, or the
+`profile.tar.gz` of `benchmarks/benchmark_gpu.py`, unpacked). It reads the trace's kernel events
 (`*.trace.json.gz`) and the compiled HLO that the trace carries (`*.xplane.pb`, plane
 `/host:metadata`) and prints, per step:
   - device time by class: GEMM (cuBLAS / cuBLASLt / nvjet / CUTLASS), attention (cuDNN), XLA

@@ -1,9 +1,9 @@
 """Benchmark the ProLIP train step: compile time, step time, samples/s, TFLOP/s, MFU, memory.
 
-    python scripts/benchmark_step.py --config configs/prolip_b16_datacomp.py [--per-device-batch 256] \
+    python benchmarks/benchmark_step.py --config configs/prolip_b16_datacomp.py [--per-device-batch 256] \
         [--steps 10] [--set model.dtype=bfloat16 --set loss.ppcl_impl=dense ...] \
         [--matmul-reference] [--profile DIR] [--json OUT.json]
-    python scripts/benchmark_step.py --config ... --max-batch [--max-batch-step 32]
+    python benchmarks/benchmark_step.py --config ... --max-batch [--max-batch-step 32]
 
 Runs the real jitted step (full + masked forward, ProLIP loss, AdamW update, donated state) on
 random device-resident data, on every local device (the config's mesh). FLOPs are counted

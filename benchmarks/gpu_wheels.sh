@@ -2,8 +2,8 @@
 # Wheels of the project's dependencies that the lent GPU machine's Python (3.12, with CUDA JAX,
 # flax, optax, orbax, torch, numpy, pillow, sentencepiece, absl, etils, protobuf, PyYAML) lacks,
 # at the versions of requirements/constraints.txt, into .whl/ (git-ignored) for the `run` tool
-# to carry. Run here, once, from the repository root:  scripts/gpu_wheels.sh
-# On the GPU machine scripts/benchmark_gpu.sh installs them into /tmp/site before the plan.
+# to carry. Run here, once, from the repository root:  benchmarks/gpu_wheels.sh
+# On the GPU machine benchmarks/benchmark_gpu.sh installs them into /tmp/site before the plan.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pins=()

@@ -1,9 +1,9 @@
 r"""Every objective of the family trained on a small synthetic set in seconds: does it learn, and
 where do its σ² go on inputs built to be ambiguous?
 
-    python scripts/methods_synthetic.py                       # every registered objective
-    python scripts/methods_synthetic.py --objectives prolip pcmepp --steps 600 --seeds 0 1 2
-    python scripts/methods_synthetic.py --objectives pcme_daa vse_daa smooth_ap --steps 150 --batch 32
+    python benchmarks/methods_synthetic.py                       # every registered objective
+    python benchmarks/methods_synthetic.py --objectives prolip pcmepp --steps 600 --seeds 0 1 2
+    python benchmarks/methods_synthetic.py --objectives pcme_daa vse_daa smooth_ap --steps 150 --batch 32
 
 The data (`make_batch`): 16 classes, 4 colours x 4 patterns (flat, horizontal stripes, vertical
 stripes, checks) filling a 16 px image with pixel noise; the caption is [colour, pattern].

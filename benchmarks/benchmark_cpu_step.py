@@ -1,10 +1,10 @@
 """The ProLIP train step on CPU beside a PyTorch train step of the same model and loss, one run.
 
-    python scripts/benchmark_cpu_step.py                     # own_data small model, batch 64, 2 threads
-    python scripts/benchmark_cpu_step.py --config configs/tiny.py --batch 128 --repeats 30
+    python benchmarks/benchmark_cpu_step.py                     # own_data small model, batch 64, 2 threads
+    python benchmarks/benchmark_cpu_step.py --config configs/tiny.py --batch 128 --repeats 30
 
 Ours: the real jitted step (prolip_jax/step.py make_train_step: full + masked forward, the
-config's ProLIP loss, AdamW, donated state) on one CPU device. Theirs: scripts/torch_step.py
+config's ProLIP loss, AdamW, donated state) on one CPU device. Theirs: benchmarks/torch_step.py
 (the reference step in PyTorch: same sizes, masked forward, loss terms and AdamW, float32,
 `torch.set_num_threads(threads)`). Both get the same batch; the two steps alternate, one
 each per repeat, so a load spike from other processes hits both, and the medians are compared.
@@ -59,7 +59,7 @@ def thunk_times(trace_dir: str, steps: int) -> list[tuple[str, float, int]]:
 
 
 def build_ours(config, batch: int, images, tokens):
-    """(compiled step, state, device batch): as scripts/benchmark_step.py builds it."""
+    """(compiled step, state, device batch): as benchmarks/benchmark_step.py builds it."""
     import jax
     import jax.numpy as jnp
 
@@ -91,7 +91,7 @@ def main() -> None:
     p.add_argument("--profile", metavar="DIR", help="trace 3 of our steps into DIR, print thunk time per kind")
     args = p.parse_args()
 
-    from torch_step import TORCH_MISSING, TorchTrainStep  # scripts/torch_step.py
+    from torch_step import TORCH_MISSING, TorchTrainStep  # benchmarks/torch_step.py
 
     try:
         import torch
@@ -100,7 +100,7 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from benchmark_step import load_config, set_field  # scripts/benchmark_step.py
+    from benchmark_step import load_config, set_field  # benchmarks/benchmark_step.py
     from input_pipeline.transforms import normalize
 
     torch.set_num_threads(args.threads)

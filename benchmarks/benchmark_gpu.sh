@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU benchmark plan (scripts/benchmark_gpu.py) on a machine whose Python has CUDA JAX but
-# not every dependency: installs the wheels scripts/gpu_wheels.sh put in .whl/ (if any), then runs
-#   scripts/benchmark_gpu.sh OUT_DIR [benchmark_gpu.py flags, e.g. --parts step,torch --deadline 560]
+# The GPU benchmark plan (benchmarks/benchmark_gpu.py) on a machine whose Python has CUDA JAX but
+# not every dependency: installs the wheels benchmarks/gpu_wheels.sh put in .whl/ (if any), then runs
+#   benchmarks/benchmark_gpu.sh OUT_DIR [benchmark_gpu.py flags, e.g. --parts step,torch --deadline 560]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 1 ] || { echo "usage: $0 OUT_DIR [benchmark_gpu.py flags]" >&2; exit 2; }
@@ -13,4 +13,4 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 out=$1
 shift
-exec "${PYTHON:-python3}" scripts/benchmark_gpu.py --out "$out" "$@"
+exec "${PYTHON:-python3}" benchmarks/benchmark_gpu.py --out "$out" "$@"

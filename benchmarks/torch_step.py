@@ -20,7 +20,7 @@ syncs with the device).
 On CUDA: bf16 autocast as the reference's `--precision amp_bf16` (`autocast=torch.bfloat16`)
 and optional `torch.compile` of the forward + loss (`compile=True`).
 
-    from torch_step import TorchTrainStep   # scripts/ on sys.path
+    from torch_step import TorchTrainStep   # benchmarks/ on sys.path
     step = TorchTrainStep(model_cfg, loss_cfg, masking_cfg, optim_cfg, total_steps, device="cuda",
                           autocast=torch.bfloat16, compile=True)
     loss = step(images_nchw_float, tokens)   # one update; returns the loss tensor

@@ -1,7 +1,7 @@
 """Input pipeline throughput against a bare PIL loop, both timed in the same run.
 
-    python scripts/benchmark_input.py --workers 0 1 2          # default: 0..#cores
-    python scripts/benchmark_input.py --workers 0 1 2 4 --images 4000
+    python benchmarks/benchmark_input.py --workers 0 1 2          # default: 0..#cores
+    python benchmarks/benchmark_input.py --workers 0 1 2 4 --images 4000
 
 Writes its own img2dataset-style shards of ~400x300 JPEGs (quality 90, ~40 KB, like web photos)
 into a temporary folder, then for each worker count times, alternately, in windows of

@@ -2,7 +2,7 @@
 relative error of our image and text embeddings against the golden outputs that open_clip,
 timm and big_vision computed for the tiny fixtures in tests/data/pretrained/.
 
-    JAX_PLATFORMS=cpu python scripts/pretrained_parity.py
+    JAX_PLATFORMS=cpu python benchmarks/pretrained_parity.py
 """
 import sys
 from pathlib import Path

@@ -1,8 +1,8 @@
 """Compiled memory and step time of the global-batch PPCL loss: dense sharded logits vs ring.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
-        python scripts/benchmark_loss_memory.py                       # B = 256 .. 16384, D = 768
-    python scripts/benchmark_loss_memory.py --batches 1024 4096 --dim 1152 --time-max 0
+        python benchmarks/benchmark_loss_memory.py                       # B = 256 .. 16384, D = 768
+    python benchmarks/benchmark_loss_memory.py --batches 1024 4096 --dim 1152 --time-max 0
 
 For each global batch B (sharded over all devices on one "data" axis) it compiles loss +
 gradients w.r.t. all six inputs (`jax.value_and_grad` of `ring_loss.make_ppcl_loss(impl, mesh)`)
