@@ -1,4 +1,13 @@
-r"""COCO / Flickr30K / CUB caption-retrieval recipes of the seed papers, one builder for all.
+r"""COCO / Flickr30K / CUB caption-retrieval recipes of the probabilistic-embedding papers, one builder.
+
+The papers (named by their short names below):
+  PCME++   "Improved Probabilistic Image-Text Representations" (Chun)
+  PCME     "Probabilistic Embeddings for Cross-Modal Retrieval" (Chun et al.)
+  Pishdad  "Uncertainty-based Cross-Modal Retrieval with Probabilistic Representations"
+           (Pishdad et al.)
+  DAA      "A Differentiable Semantic Metric Approximation in Probabilistic Embedding for
+           Cross-Modal Retrieval" (Li et al.)
+  VSE∞     "Learning the Best Pooling Strategy for Visual Semantic Embedding" (Chen et al.)
 
 The per-method files (configs/pcmepp_coco.py, pcme_coco.py, pishdad_coco.py, daa_coco.py,
 vse_coco.py, infonce_coco.py) hold each paper's hyper-parameter table, its published numbers and
@@ -20,11 +29,11 @@ Config args (`--config configs/pcmepp_coco.py:dataset=flickr30k,size=cpu`):
                                      identical captions positives too (targets "both"):
                                      what tests/test_caption_recipes.py trains on generated
                                      captions (the caller passes a tokenizer.json, "hf" kind)
-    noise=0.2                        noisy correspondence (PCME++ seed 003 §3, after NCR): this
+    noise=0.2                        noisy correspondence (PCME++ §3, after NCR): this
                                      fraction of training pairs shuffled; the list is written
                                      to WORKDIR/noisy_pairs.json
 
-Shared by every recipe (PCME++ seed 003 App. B.2 and its code, unless the method says otherwise):
+Shared by every recipe (PCME++ App. B.2 and its code, unless the method says otherwise):
 - towers: OpenAI CLIP ViT-B/32 (`open_clip:ViT-B-32-quickgelu`), warm-started from its weights
   (`config.init.path`, any copy open_clip or the hub can read); the method's heads on top,
   initialised fresh. The joint embedding is 1024-d as in the papers' COCO runs (PCME++'s code
@@ -37,6 +46,11 @@ Shared by every recipe (PCME++ seed 003 App. B.2 and its code, unless the method
   (`targets.positives="image_id"`).
 - model selection: validation RSUM (COCO 1K folds of the Karpathy val split) every epoch; the
   best step is kept in WORKDIR/best (`keep_best`).
+
+Hardware and time: size=paper is 25 to 70 epochs of COCO at batch 128 (4,425 steps an epoch)
+from CLIP ViT-B/32, a single-accelerator job; none has been run or timed here. size=cpu: about
+200 steps of the tiny towers on CPU, minutes each (tests/test_caption_recipes.py trains six of
+them in ~2.5 min on 2 cores). Why size=cpu differs where it does: docs/recipes.md.
 """
 from __future__ import annotations
 
@@ -60,7 +74,7 @@ EPOCH_CAPTIONS = {"coco": 113_287 * 5, "flickr30k": 29_000 * 5, "cub": 8_855 * 1
 VISUAL_TRUNK = r"^visual/(patch_kernel|class_embedding|positional_embedding|ln_pre|transformer)/"
 TEXT_TRUNK = r"^text/(token_embedding|positional_embedding|transformer)/"
 
-# PCME++'s heads (seed 003 §2.1, Fig. 2): the last block duplicated for log sigma^2 and GPO on
+# PCME++'s heads (PCME++ §2.1, Fig. 2): the last block duplicated for log sigma^2 and GPO on
 # both branches; SizeAugment on image tokens (the caption SizeAugment needs a [MASK] id that the
 # CLIP BPE vocabulary lacks, so it is off on text).
 PCMEPP_HEADS = dict(vision=dict(embed_unc=True, unc_head="block", pool="gpo", size_augment=0.2, init_unc_bias=0.0),
@@ -69,7 +83,7 @@ PCMEPP_HEADS = dict(vision=dict(embed_unc=True, unc_head="block", pool="gpo", si
 # method -> settings. `loss`: the objective's Config fields; `optim`: config.optim fields (epochs
 # are turned into steps by `build`); `model`: config.model fields; `targets`: config.targets.
 RECIPES: dict[str, dict] = {
-    # PCME++ seed 003 Table B.1 and naver-ai/pcmepp configs/pcmepp.yaml. The warm-up after the
+    # PCME++ Table B.1 and naver-ai/pcmepp configs/pcmepp.yaml. The warm-up after the
     # 2-epoch freeze: its code's `embedding_warmup_epochs 2` + `embedding_warmup_after_freeze`
     # multiply the whole loss by (batch + 1) / batches in epoch 2 (pcmepp/engine.py; its
     # `linear_warmup: false` leaves epochs 0-1 unscaled), as VSE∞'s code does after its freeze:
@@ -84,14 +98,14 @@ RECIPES: dict[str, dict] = {
                    locked=(VISUAL_TRUNK,), unlock_epoch=2, unlock_warmup_epochs=1, unlock_warmup_form="loss",
                    swa_start_epoch=16, swa_every_epochs=1),
         epochs=25),
-    # PCME as PCME++ configures its baseline (seed 003 §1.7 / App. B.2: the same a, b init and
+    # PCME as PCME++ configures its baseline (PCME++ §1.7 / App. B.2: the same a, b init and
     # VIB, J = 8 samples; its code: vib_beta 1e-3); the PCME++ trunk and optimiser.
     "pcme": dict(
         loss=dict(objective="pcme", num_samples=8, vib_beta=1e-3),
         model=dict(init_logit_scale=math.log(5.0), init_logit_bias=5.0, **PCMEPP_HEADS),
         targets=dict(positives="image_id"),
         optim="pcmepp", epochs=25),
-    # DAA on PCME (seed 004 §5.2 and its code's config/coco/pcme_coco.yaml): a = b = 15,
+    # DAA on PCME (DAA §5.2 and its code's config/coco/pcme_coco.yaml): a = b = 15,
     # daa_beta 1000, tau 0.01, vib 1e-5, J = 5, AdamP lr 1.5e-4, wd 0, clip 2, 70 epochs: 30 of
     # pre-training (3 of warm-up; the image trunk frozen), then 40 of fine-tuning at lr x0.1 with a
     # new cosine (its train_coco.py; T_max 30 epochs, so the cosine rises again for the last 10):
@@ -104,7 +118,7 @@ RECIPES: dict[str, dict] = {
                    schedule="cosine_phases", warmup_epochs=3, cosine_epochs=30, step_boundaries=(30 / 70,),
                    step_factor=0.1, locked=(VISUAL_TRUNK,), unlock_epoch=30),
         epochs=70),
-    # Pishdad et al. seed 001 §4.2: Adam lr 2e-4 (/10 at epoch 15 of 30), batch 128, margin 0.2,
+    # Pishdad et al. §4.2: Adam lr 2e-4 (/10 at epoch 15 of 30), batch 128, margin 0.2,
     # -W2, ellipsoidal, variances in [0.1, 10]; the image backbone frozen (their "VSE++").
     "pishdad": dict(
         loss=dict(objective="pishdad", similarity="wasserstein", covariance="ellipsoidal", margin=0.2,
@@ -115,7 +129,7 @@ RECIPES: dict[str, dict] = {
         optim=dict(name="adamw", lr=2e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
                    schedule="step", step_boundaries=(0.5,), locked=(VISUAL_TRUNK,)),
         epochs=30),
-    # VSE∞ as PCME++ runs it (seed 003 §1.7): hardest-negative triplet, margin 0.2, its warm-up
+    # VSE∞ as PCME++ runs it (PCME++ §1.7): hardest-negative triplet, margin 0.2, its warm-up
     # epoch with the sum; GPO on the mean branch only; PCME++'s optimiser.
     "vse": dict(
         loss=dict(objective="vse", margin=0.2, sum_warmup_epochs=1),
@@ -123,7 +137,7 @@ RECIPES: dict[str, dict] = {
                    text=dict(embed_unc=False, pool="gpo", pad_id=0)),
         targets=dict(positives="image_id"),
         optim="pcmepp", epochs=25),
-    # CLIP's InfoNCE as PCME++'s baseline (seed 003 §1.7: initial softmax temperature 1.0).
+    # CLIP's InfoNCE as PCME++'s baseline (PCME++ §1.7: initial softmax temperature 1.0).
     "infonce": dict(
         loss=dict(objective="clip"),
         model=dict(init_logit_scale=0.0, vision=dict(embed_unc=False, pool="gpo", size_augment=0.2),
@@ -135,15 +149,9 @@ RECIPES: dict[str, dict] = {
 # size=cpu: the tiny towers. PCME++ and PCME keep PCME++'s heads (`tiny_pcmepp`: the last block
 # duplicated for log sigma^2, GPO, image SizeAugment 0.2, caption SizeAugment off as in
 # PCMEPP_HEADS) with one CPU-size change: the log sigma^2 bias starts at -10 (ProLIP's [UNC]
-# init, sigma^2 = 4.5e-5) instead of PCME++'s 0. With bias 0, sigma^2 = 1 on each of the 64 tiny
-# dimensions puts ~128 into every CSD, the logits -a * CSD + b start near -635 and the first
-# steps only shrink sigma^2 (to ~1e-6 by step 50, loss 92.8 -> 0.61, then a plateau): held-out
-# zero-shot 2.8% = chance (PCME: 5.6%). With bias -10 (measured on the test's generated set,
-# 200 steps, one change against bias 0): PCME++ 19.4% (SWA 20.8%; seeds 1, 2: 15.3%, 18.1%),
-# PCME 18.1% (SWA 20.8%); ProLIP's [UNC] head on the same recipe gave 20.8%. The paper recipes
-# keep PCME++'s bias 0 (they start from CLIP, not measured here). DAA stays
-# on ProLIP's [UNC] head (not measured with these heads); Pishdad keeps its duplicated
-# projection; the deterministic baselines are mu-only.
+# init) instead of PCME++'s 0, with which the tiny towers stay at chance (the paper recipes keep
+# 0). DAA stays on ProLIP's [UNC] head; Pishdad keeps its duplicated projection; the
+# deterministic baselines are mu-only. Measurements: docs/recipes.md, "caption_recipes size=cpu".
 _MU_ONLY = {"vision": {"embed_unc": False}, "text": {"embed_unc": False, "pool": "last"}}
 _TINY = ("tiny", {"vision": {}, "text": {}})
 _TINY_PCMEPP = ("tiny_pcmepp", {"vision": {"init_unc_bias": -10.0},
@@ -155,17 +163,7 @@ CPU_TOWERS = {"pcmepp": _TINY_PCMEPP, "pcme": _TINY_PCMEPP, "daa": _TINY,
 # size=cpu: DAA's weight. PCME's terms are sums over the B x B pairs (DAA's
 # criterions/probemb.py, reduction='sum') while DAA is a mean over queries, so at batch 32 the
 # paper's 1000 (set for batch 128) weighs DAA 16x more against PCME; it is scaled by
-# (32 / 128)^2 = 62.5. Measured on the test's generated set (seed 0, 140 steps): at 1000 both
-# towers collapse to one point each (held-out image-image cosine 1.000, image-text similarity
-# std 4e-4; ties give every item the middle soft rank, ASP ~ 1/4 + ln(2)/2 = 0.60, above the
-# random towers' 0.56, and the in-batch TF-IDF map of these captions ranks mostly by template
-# words the images cannot predict: with one template for every caption 1000 learns, 9.7%),
-# zero-shot 2.8% = chance; the same with a = b = 5, AdamW or 280 steps (lr 5e-4: 13.9%). Without
-# DAA 22.2%; weight 10 / 62.5 / 100: 18.1% / 20.8% / 13.9% (62.5 with seeds 1, 2: 18.1%, 15.3%).
-# Those were with one cosine over the run; with the two-phase schedule now in RECIPES["daa"]
-# (60 steps, then 80 at lr x0.1): 62.5 gives 18.1% (seeds 1-4: 15.3, 5.6, 25.0, 12.5%: seed 2
-# fails, PCME alone there 13.9%), 1000 still 2.8%. The paper's runs start from CLIP, not from
-# random towers that can fall into the collapse.
+# (32 / 128)^2 = 62.5 (at 1000 the random tiny towers collapse). Measurements: docs/recipes.md.
 PAPER_DAA_BATCH = 128  # DAA's config/coco/pcme_coco.yaml batch, the one daa_beta 1000 was set for
 
 EPOCH_KNOBS = {"unlock_epoch": "unlock_step", "unlock_warmup_epochs": "unlock_warmup_steps",
@@ -211,7 +209,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
                                   vision=dict(towers["vision"]), text=dict(towers["text"])))
 
     loss = dict(recipe["loss"])
-    if "sum_warmup_epochs" in loss:  # cpu: a third of the run, as scripts/methods_synthetic.py
+    if "sum_warmup_epochs" in loss:  # cpu: a third of the run, as benchmarks/methods_synthetic.py
         epochs = loss.pop("sum_warmup_epochs")
         loss["sum_warmup_steps"] = CPU_STEPS // 3 if cpu else epochs * epoch
     if cpu and "daa_beta" in loss:  # the PCME : DAA balance of batch 128 (see PAPER_DAA_BATCH)

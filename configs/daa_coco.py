@@ -1,4 +1,10 @@
-r"""DAA on PCME (seed 004 §5.2; its code's config/coco/pcme_coco.yaml), on the PCME++ towers.
+r"""DAA on PCME (DAA §5.2; its code's config/coco/pcme_coco.yaml), on the PCME++ towers.
+
+Paper: "A Differentiable Semantic Metric Approximation in Probabilistic Embedding for Cross-Modal
+Retrieval" (Li et al.; "DAA"), on PCME, "Probabilistic Embeddings for Cross-Modal Retrieval"
+(Chun et al.), with the towers of "Improved Probabilistic Image-Text Representations" (Chun;
+"PCME++"). Hardware and time: 70 epochs of COCO at batch 128 from CLIP ViT-B/32, a
+single-accelerator job, not run or timed here; `:size=cpu` is a few minutes on CPU.
 
     python -m prolip_jax.train --config configs/daa_coco.py --workdir W --config.data.caption_file=... \
         --config.data.image_root=... --config.data.tokenizer.path=bpe_simple_vocab_16e6.txt.gz
@@ -14,9 +20,9 @@ r"""DAA on PCME (seed 004 §5.2; its code's config/coco/pcme_coco.yaml), on the 
 | batch | 128 (COCO), 150 (CUB) | the same |
 
 `:size=cpu` (batch 32, random tiny towers) scales the DAA weight to 1000 x (32/128)^2 = 62.5: at
-1000 both towers collapse to one point each (configs/caption_recipes.py has the measurements).
+1000 both towers collapse to one point each (docs/recipes.md has the measurements).
 
-Published (seed 004 Table 1, PCME-bert + DAA, COCO 1K / 5K, i2t then t2i): PMRP 45.9 / 46.7 and
+Published (DAA Table 1, PCME-bert + DAA, COCO 1K / 5K, i2t then t2i): PMRP 45.9 / 46.7 and
 34.6 / 34.9, R@1 71.2 / 57.8 and 48.2 / 35.1, ASP 58.4 / 57.2 and 58.3 / 57.0. CUB (Table 2):
 R-P 28.2 / 28.5, R@1 53.2 / 37.7, ASP 53.4 / 57.6. Not reproduced here.
 """

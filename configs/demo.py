@@ -13,24 +13,11 @@ left"; the trainer draws one level per image per epoch, so general captions are 
 many images (the multiplicity ProLIP models, paper §1, §4.3). Held-out splits are scored by
 scripts/evaluate.py with configs/eval/demo.py.
 
-Choices, each measured on the held-out splits (runs of 3,000 steps, see the README):
-  * the `tiny` model (32 px, patch 8) on one CPU device: 8 fake devices on 2 cores cost 3x
-    per step; a 48 px / patch 16 model whose patch grid matches the 3 x 3 positions was
-    faster per step but reached 35% zero-shot instead of 94%;
-  * batch 128, lr 2e-3 (5e-3 stalled at 24% zero-shot), 200 warm-up steps;
-  * no random crop (crop_scale = ratio = 1): 97% of the retrieval errors were the position,
-    which the crop jitters; without it R@1 went from 18% to 27%;
-  * train captions weighted 1:1:2:4 over levels 0..3: the level-0/1 captions ("a shape") are
-    paired with a quarter of the batch each and teach little; zero-shot 80% -> 91%;
-  * VIB beta 0.1 and alpha_1 (image in text) 1e-3 instead of the paper's 1e-4 and 1e-7: with
-    the paper's values the sigma^2 stay at their e^-10 initial scale in a run this short
-    (texts and images indistinguishable); beta 0.1 alone made images more uncertain than
-    texts, alpha_1 1e-3 restores texts > images (paper §4.3, Table C.3);
-  * inclusion eps -20 (the paper's): eps -5, or eps 0 with alpha_1 1e-2 (so that a caption
-    must cover its images' means, not only their variances), slowed learning (72% zero-shot
-    after 3,000 steps; 17% after 1,200 with eps 0) and left "a shape" as certain as before;
-  * 5,000 steps: R@1 was 27% after 3,000 steps, 41-43% after 4,000 and 71% after 5,000;
-    the whole `make demo` takes 13 min 50 s on 2 vCPUs.
+Recipe: the ProLIP objective of "Probabilistic Language-Image Pre-Training" (Chun et al.) at
+demo size: the `tiny` model, batch 128, lr 2e-3, 5,000 steps, no random crop, captions weighted
+1:1:2:4 over levels 0..3, VIB beta 0.1 and alpha_1 1e-3 instead of the paper's 1e-4 and 1e-7.
+Expected time: the whole `make demo` (train + evaluation) about 14 min on 2 vCPUs, one CPU
+device. Why each choice (the held-out measurements that made them): docs/recipes.md, "demo".
 """
 import ml_collections as mlc
 

@@ -1,5 +1,8 @@
 r"""Fine-tuning recipes: a ProLIP started from released CLIP, SigLIP or ProLIP weights.
 
+Paper: "Probabilistic Language-Image Pre-Training" (Chun et al.; "ProLIP"), App. B.2 (the
+SigLIP warm starts); `long` follows the authors' LongProLIP recipe.
+
 Each recipe is the paper's pretraining config (configs/prolip_b16_datacomp.py) with a warm start
 (`config.init`, prolip_jax/pretrained/warm_start.py) and the recipe's optimiser and loss. The
 weights are read from a local file/folder or a Hugging Face repo id (downloaded once into the

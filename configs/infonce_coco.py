@@ -1,4 +1,8 @@
-r"""CLIP's InfoNCE on COCO as PCME++'s baseline (seed 003 §3.1, App. A.3), on the same towers.
+r"""CLIP's InfoNCE on COCO as PCME++'s baseline (PCME++ §3.1, App. A.3), on the same towers.
+
+Paper: the InfoNCE baseline of "Improved Probabilistic Image-Text Representations" (Chun; "PCME++").
+Hardware and time: 25 epochs of COCO at batch 128 from CLIP ViT-B/32, a single-accelerator
+job, not run or timed here; `:size=cpu` is a few minutes on CPU.
 
     python -m prolip_jax.train --config configs/infonce_coco.py --workdir W --config.data.caption_file=... \
         --config.data.image_root=... --config.data.tokenizer.path=bpe_simple_vocab_16e6.txt.gz
@@ -9,7 +13,7 @@ r"""CLIP's InfoNCE on COCO as PCME++'s baseline (seed 003 §3.1, App. A.3), on t
 | loss | InfoNCE, initial softmax temperature 1.0 | objective clip, logit scale init log 1 = 0 (a = 1) |
 | optimiser, schedule, freeze | as PCME++ | the same |
 
-Published (seed 003 Table 1, ViT-B/32): ECCV mAP@R 39.0, R-P 48.7, ECCV R@1 81.7, CxC R@1 54.9,
+Published (PCME++ Table 1, ViT-B/32): ECCV mAP@R 39.0, R-P 48.7, ECCV R@1 81.7, CxC R@1 54.9,
 COCO 1K R@1 74.0, 5K R@1 53.0, RSUM 532.6. Not reproduced here.
 """
 from pathlib import Path

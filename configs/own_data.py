@@ -1,5 +1,9 @@
 r"""Pretrain a small ProLIP from scratch on your own image-caption data (tar shards or ArrayRecord).
 
+Recipe: the ProLIP objective of "Probabilistic Language-Image Pre-Training" (Chun et al.) on a
+small model, with loss weights for short runs (below). Hardware and time: `size=tiny` on 2 CPU
+cores, 15-40 min; `size=small` is a GPU job (not timed here).
+
     python -m prolip_jax.train --config configs/own_data.py --workdir workdirs/mine \
         --config.data.path='/data/mine/train-{00000..00009}.tar' \
         --config.data.tokenizer.path=/data/mine/tokenizer.model
@@ -31,27 +35,12 @@ Config args (`--config configs/own_data.py:size=small,steps=20000`):
                  TensorBoard. Final numbers: scripts/evaluate.py with configs/eval/imagefolder.py.
 
 Loss weights: VIB beta 0.1 and alpha_1 (image-in-text inclusion) 1e-3, not the paper's 1e-4
-and 1e-7. The sigma^2 start at e^-10 (init_unc_bias -10). PPCL's gradient on log sigma^2 is
-proportional to sigma^2 itself, so at e^-10 ~ 4.5e-5 it barely moves them; the VIB term is what
-lifts them, and with the paper's beta (tuned for 1.28B-sample runs) it is too weak to do so in
-a short run. The sigma^2 then stay at their initial value: CSD differs from the mean distance
-by a constant, ranks exactly like the mu dot product, and every uncertainty output (sigma^2
-histograms, uncertainty bins, inclusion tests) shows the initialisation. Measured on a
-synthetic handwritten-digit set (6,000 PNG + caption pairs, this config, 1 CPU device): with
-the paper's weights the mean image sigma^2 was 4.5e-5 = e^-10 after 600 steps (text 9.7e-5);
-with these it was 5e-3 from step 200 on (text 5e-3 to 9e-3, above the images as the paper's
-§4.3 has it; alpha_1 1e-3 keeps that order, configs/demo.py). For a long run on a large dataset
-the paper's values (`--config.loss.vib_beta=1e-4 --config.loss.alpha_image_text=1e-7`) apply.
-
-The loss curve at this scale: within ~100 steps the PPCL term (loss/ppcl) settles at about
-log(B) + 1 (5.85 measured at batch 128; log 64 + 1 = 5.2 at batch 64): the loss of a model that
-scores every pair the same, once the logit bias has learned the ratio of positive to negative
-pairs. It then stays FLAT for a few hundred steps while the towers find their first features,
-and only then falls: on the digit set above it stayed at 5.85 from step 100 to 400 (to 200 with
-the paper's weights) and zero-shot accuracy on held-out digits went 12% (step 400, chance 10%),
-49% (800), 66% (1,200), 85% (2,000). Up to 1,100 flat steps have been seen on another digit set.
-A plateau is normal here, not a bug: keep the run going. The total loss adds the VIB term
-(~0.16 here).
+and 1e-7: with the paper's weights the sigma^2 stay at their e^-10 initial value in a short run
+and every uncertainty output shows the initialisation. For a long run on a large dataset the
+paper's values (`--config.loss.vib_beta=1e-4 --config.loss.alpha_image_text=1e-7`) apply.
+The loss first settles at about log(B) + 1 and stays FLAT for a few hundred steps before it
+falls: normal at this scale, keep the run going. The measurements behind both:
+docs/recipes.md, "own_data".
 """
 from pathlib import Path
 

@@ -1,4 +1,9 @@
-r"""PCME on COCO as PCME++ runs its baseline (seed 003 §3.1 / App. B.2), on the PCME++ towers.
+r"""PCME on COCO as PCME++ runs its baseline (PCME++ §3.1 / App. B.2), on the PCME++ towers.
+
+Papers: PCME, "Probabilistic Embeddings for Cross-Modal Retrieval" (Chun et al.), as the
+baseline of "Improved Probabilistic Image-Text Representations" (Chun; "PCME++").
+Hardware and time: 25 epochs of COCO at batch 128 from CLIP ViT-B/32, a single-accelerator
+job, not run or timed here; `:size=cpu` is a few minutes on CPU.
 
     python -m prolip_jax.train --config configs/pcme_coco.py --workdir W --config.data.caption_file=... \
         --config.data.image_root=... --config.data.tokenizer.path=bpe_simple_vocab_16e6.txt.gz
@@ -10,7 +15,7 @@ r"""PCME on COCO as PCME++ runs its baseline (seed 003 §3.1 / App. B.2), on the
 | MSDA, pseudo-positives | none | none |
 | PCME's own heads (attention + residual, Chun et al. 2021) | - | PCME++'s duplicated block + GPO |
 
-Published (seed 003 Table 1, ViT-B/32): ECCV mAP@R 39.1, R-P 48.9, ECCV R@1 81.4, CxC R@1 54.7,
+Published (PCME++ Table 1, ViT-B/32): ECCV mAP@R 39.1, R-P 48.9, ECCV R@1 81.4, CxC R@1 54.7,
 COCO 1K R@1 73.8, 5K R@1 53.0, RSUM 532.0. Not reproduced here.
 """
 from pathlib import Path

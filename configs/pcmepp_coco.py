@@ -1,4 +1,8 @@
-r"""PCME++ on COCO (seed 003): ViT-B/32 from OpenAI CLIP, the paper's COCO recipe.
+r"""PCME++ on COCO: ViT-B/32 from OpenAI CLIP, the paper's COCO recipe.
+
+Paper: "Improved Probabilistic Image-Text Representations" (Chun; "PCME++").
+Hardware and time: 25 epochs of COCO at batch 128 from CLIP ViT-B/32, a single-accelerator
+job, not run or timed here; `:size=cpu` is a few minutes on CPU.
 
     python -m prolip_jax.train --config configs/pcmepp_coco.py --workdir W \
         --config.data.caption_file=/data/coco/dataset_coco.json --config.data.image_root=/data/coco \
@@ -8,7 +12,7 @@ r"""PCME++ on COCO (seed 003): ViT-B/32 from OpenAI CLIP, the paper's COCO recip
 
 Args as configs/caption_recipes.py (dataset=coco|flickr30k|cub, size=paper|cpu, noise=0.2).
 
-| item (seed 003 Table B.1, App. B.2; naver-ai/pcmepp configs) | paper | here |
+| item (PCME++ Table B.1, App. B.2; naver-ai/pcmepp configs) | paper | here |
 |---|---|---|
 | init | CLIP ViT-B/32; log sigma^2 block and GPO random | the same (config.init) |
 | epochs, batch | 25, 128 | 25 x 4,425 steps, 128 |
@@ -23,7 +27,7 @@ Args as configs/caption_recipes.py (dataset=coco|flickr30k|cub, size=paper|cpu, 
 | SWA | last 10 epochs (code: from epoch 16, every epoch) | swa from epoch 16 every epoch -> W/swa |
 | model selection | best validation RSUM | keep_best on retrieval/val/csd/1k/rsum -> W/best |
 
-Published (seed 003 Table 1, ViT-B/32, mean of i2t and t2i, 3 runs): ECCV mAP@R 40.1, ECCV R-P
+Published (PCME++ Table 1, ViT-B/32, mean of i2t and t2i, 3 runs): ECCV mAP@R 40.1, ECCV R-P
 49.7, ECCV R@1 83.1, CxC R@1 56.8, COCO 1K R@1 75.4, 5K R@1 55.1, RSUM 537.0; SWA: 40.2 / 49.8 /
 82.9 / 56.8 / 75.5 / 55.2 / 537.3. Not reproduced here (no COCO or GPU on the machine this was
 written on).

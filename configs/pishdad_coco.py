@@ -1,4 +1,8 @@
-r"""Pishdad et al. on COCO (seed 001 §4.2): probabilistic VSE++, -W2 triplet, on CLIP ViT-B/32.
+r"""Pishdad et al. on COCO (their §4.2): probabilistic VSE++, -W2 triplet, on CLIP ViT-B/32.
+
+Paper: "Uncertainty-based Cross-Modal Retrieval with Probabilistic Representations" (Pishdad
+et al.). Hardware and time: 30 epochs of COCO at batch 128 from CLIP ViT-B/32, a
+single-accelerator job, not run or timed here; `:size=cpu` is a few minutes on CPU.
 
     python -m prolip_jax.train --config configs/pishdad_coco.py --workdir W --config.data.caption_file=... \
         --config.data.image_root=... --config.data.tokenizer.path=bpe_simple_vocab_16e6.txt.gz
@@ -10,7 +14,7 @@ r"""Pishdad et al. on COCO (seed 001 §4.2): probabilistic VSE++, -W2 triplet, o
 | optimiser | Adam lr 2e-4, /10 at epoch 15 of 30, batch 128 | AdamW with wd 0 (= Adam), step schedule at 1/2 |
 | model selection | validation rsum | the same |
 
-Published (seed 001 Table 1, "VSE++ ours", COCO 1K i2t / t2i): PMRP 41.1 / 41.7, R@1 59.3 /
+Published (Pishdad et al. Table 1, "VSE++ ours", COCO 1K i2t / t2i): PMRP 41.1 / 41.7, R@1 59.3 /
 45.6; 5K: PMRP 31.3 / 31.2, R@1 34.7 / 24.5. A CLIP trunk is a much stronger start: the recall
 should be far above these, the comparison of interest is with configs/vse_coco.py. Not
 reproduced here.

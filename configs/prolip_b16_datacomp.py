@@ -1,4 +1,6 @@
-r"""The paper's recipe: ProLIP on DataComp-1B (seed 002 §4.1, B.1; REFERENCE §5).
+r"""The paper's recipe: ProLIP on DataComp-1B (§4.1, App. B.1; REFERENCE §5).
+
+Paper: "Probabilistic Language-Image Pre-Training" (Chun et al.; "ProLIP").
 
 Global batch 16,384, AdamW lr 5e-4 (betas 0.9/0.95, eps 1e-6, wd 0.2), 10k warm-up then
 cosine, 1.28B samples seen (78,125 steps), alpha1 1e-7, alpha2 1e-3, beta 1e-4, eps -20,

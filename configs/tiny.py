@@ -1,5 +1,8 @@
 r"""A tiny ProLIP on the demo dataset: a CPU run of the real trainer, pipeline and checkpoints.
 
+Recipe: none of a paper's; the ProLIP objective of "Probabilistic Language-Image Pre-Training"
+(Chun et al.) at smoke-test size, for tests, benchmarks and trying the trainer out.
+
     python -m prolip_jax.train --config configs/tiny.py --workdir /tmp/prolip_tiny
 
 Config args (`--config configs/tiny.py:steps=50,data=random`):
