@@ -1,12 +1,12 @@
 """Caption-benchmark metrics beyond R@K: PMRP, ASP (TF-IDF), class-level positives (CUB).
 
-All of them rank with evaluators.retrieval's tie rule (a stable descending argsort: an equal
+All of them rank with evaluators.ranks' tie rule (a stable descending argsort: an equal
 score at a lower gallery index ranks first) and reuse its R-Precision; they run on the score
 blocks of `retrieval.blocked_ranks` (`extras=`), so no [Q, M] matrix is ever whole.
 
 PMRP -- Plausible-Match R-Precision (PCME; Pishdad et al., seed 001 §4.3; DAA, seed 004
   §5.1.2). Every COCO image, and each of its captions, has a binary vector of the COCO object
-  categories present (`input_pipeline.eval_data.coco_category_codes`: the 90 category-id slots
+  categories present (`evaluators.retrieval_data.coco_category_codes`: the 90 category-id slots
   `code[category_id - 1]`, as PCME's evaluate_pmrp_coco.py and DAA's code build them; the 10
   never-used ids are 0 in every vector, so the Hamming distance equals the one on the 80 present
   categories). (query, item) is a plausible match when the vectors differ in <= zeta positions;
@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 import numpy as np
 import scipy.sparse as sp
 
-from evaluators.retrieval import _PAD, full_ranks, pad_positives, r_precision_per_query
+from evaluators.ranks import PAD, full_ranks, pad_positives, r_precision_per_query
 
 TOKEN = re.compile(r"(?u)\b\w\w+\b")   # sklearn CountVectorizer's default token_pattern
 PMRP_ZETAS = (0, 1, 2)
@@ -59,7 +59,7 @@ def plausible_r_precision(ranks: np.ndarray, dist: np.ndarray,
                           zetas: Sequence[int] = PMRP_ZETAS) -> np.ndarray:
     """float64 [len(zetas), Q]: R-Precision per query with the items at distance <= zeta as
     positives. ranks: full_ranks of the queries [Q, M]; dist: hamming [Q, M]."""
-    return np.stack([r_precision_per_query(np.where(dist <= z, ranks, _PAD)) for z in zetas])
+    return np.stack([r_precision_per_query(np.where(dist <= z, ranks, PAD)) for z in zetas])
 
 
 def asp_per_query(scores: np.ndarray, semantic: np.ndarray) -> np.ndarray:
@@ -194,7 +194,7 @@ def asp_pair(vectors: sp.csr_matrix, gt: sp.csr_matrix) -> tuple[ASP, ASP]:
 # Class-level positives (CUB Captions: every image-caption pair of the same class).
 # =====================================================================================
 def class_positives(image_class: np.ndarray, cap_img: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(i2t [N, P], t2i [M, P']) padded gallery indices (retrieval.pad_positives) of the
+    """(i2t [N, P], t2i [M, P']) padded gallery indices (ranks.pad_positives) of the
     class-level protocol of PCME / DAA (seed 004 §5.1.1): an image's positives are all captions
     of images of its class, a caption's all images of its image's class."""
     image_class = np.asarray(image_class)

@@ -43,7 +43,10 @@ and traversal_<root> [N, steps] (caption indices; `captions` holds the texts).
 """
 from __future__ import annotations
 
+import csv
 import functools
+import os
+import re
 from typing import Any, Callable, Iterator, Mapping
 
 import jax
@@ -53,7 +56,7 @@ import numpy as np
 from evaluators.common import Encoder, tokenizer_from, uncertainty, with_defaults
 from evaluators.uncertainty import ordering_rates
 from input_pipeline import eval_data
-from input_pipeline.eval_data import EvalSet
+from input_pipeline.eval_data import EvalSet, Files, Records
 from prolip_jax.losses import inclusion_test, log_inclusion
 
 DEFAULTS: dict[str, Any] = dict(
@@ -62,7 +65,7 @@ DEFAULTS: dict[str, Any] = dict(
     normalization="openai", num_threads=8, tokenizer=None,
 )
 ROOTS = ("null", "inclusion", "inclusion+null")
-LEVELS = eval_data.HIERARCAPS_LEVELS
+LEVELS = 4   # caption levels per HierarCaps row, general -> specific
 
 
 # ------------------------------------------------------------------------------ pure functions
@@ -196,14 +199,64 @@ def text_ids(captions: list[str]) -> np.ndarray:
     return np.unique(np.asarray(captions, dtype=object).astype(str), return_inverse=True)[1].ravel()
 
 
-# ------------------------------------------------------------------------------ evaluator
+# ------------------------------------------------------------------------------ data
+def read_hierarcaps(csv_path: str, image_dir: str, limit: int = 0) -> EvalSet:
+    """The HierarCaps test set (Alper & Averbuch-Elor 2024; github.com/TAU-VAILab/hierarcaps,
+    data/hierarcaps_test.csv): a CSV with header `id,captions,image_url`, `captions` the four
+    levels general -> specific joined by "=>" (level 3 is the original COCO caption), and
+    `image_url` a COCO val2014 URL (.../COCO_val2014_000000301718.jpg).
+
+    Images are found in `image_dir` by the URL's file name (COCO_val2014_*.jpg, as the ProLIP
+    reference), else by the COCO 2017 name <id:012d>.jpg (the same val images). One record per
+    CSV row (a COCO image may appear in several rows, as in the reference's evaluation).
+    captions: 4 per record, level-major within a record; info: levels=4, ids, image_ids.
+    """
+    if not os.path.isfile(csv_path):
+        raise FileNotFoundError(f"HierarCaps CSV {csv_path!r} does not exist (hierarcaps_test.csv "
+                                "from github.com/TAU-VAILab/hierarcaps, data/)")
+    if not os.path.isdir(image_dir):
+        raise FileNotFoundError(f"HierarCaps image_dir {image_dir!r} does not exist (COCO val2014 "
+                                "or val2017 images)")
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows or not {"captions", "image_url"} <= set(rows[0]):
+        raise ValueError(f"{csv_path}: expected a CSV with columns id,captions,image_url")
+    if limit:
+        rows = rows[:limit]
+    paths, captions, ids, image_ids, missing = [], [], [], [], []
+    for n, row in enumerate(rows):
+        levels = [c.strip() for c in row["captions"].split("=>")]
+        if len(levels) != LEVELS or not all(levels):
+            raise ValueError(f"{csv_path} row {n}: {len(levels)} caption levels, expected "
+                             f"{LEVELS} non-empty ones joined by '=>'")
+        name = row["image_url"].rstrip("/").split("/")[-1]
+        match = re.search(r"(\d+)\.\w+$", name)
+        image_id = int(match.group(1)) if match else -1
+        path = next((p for p in (os.path.join(image_dir, name),
+                                 os.path.join(image_dir, f"{image_id:012d}.jpg"))
+                     if os.path.isfile(p)), None)
+        if path is None:
+            missing.append(name)
+        paths.append(path)
+        captions += levels
+        ids.append(row.get("id", str(n)))
+        image_ids.append(image_id)
+    if missing:
+        raise FileNotFoundError(f"HierarCaps: {len(missing)} of {len(rows)} images not in "
+                                f"{image_dir!r} (e.g. {missing[0]}; also tried <id:012d>.jpg)")
+    info = {"levels": LEVELS, "ids": ids, "image_ids": np.asarray(image_ids, np.int64),
+            "captions_per_record": LEVELS}
+    return EvalSet("hierarcaps", Records(len(paths), Files(paths)), captions,
+                   np.repeat(np.arange(len(paths)), LEVELS), info)
+
+
 def load_data(cfg: Mapping[str, Any]) -> EvalSet:
     if cfg["dataset"] == "hierarcaps":
         for key in ("csv", "image_dir"):
             if not cfg[key]:
                 raise ValueError(f"hierarcaps evaluator: dataset='hierarcaps' needs {key!r} "
                                  "(hierarcaps_test.csv and the COCO val image folder)")
-        return eval_data.hierarcaps(cfg["csv"], cfg["image_dir"], int(cfg["max_items"]))
+        return read_hierarcaps(cfg["csv"], cfg["image_dir"], int(cfg["max_items"]))
     if cfg["dataset"] == "demo":
         data = eval_data.demo("levels", cfg["demo"] or {})
         if data.info["captions_per_record"] != LEVELS:
@@ -217,6 +270,7 @@ def load_data(cfg: Mapping[str, Any]) -> EvalSet:
     raise ValueError(f"hierarcaps evaluator: unknown dataset {cfg['dataset']!r} (hierarcaps | demo)")
 
 
+# ------------------------------------------------------------------------------ evaluator
 class Evaluator:
     """HierarCaps traversal; config keys and metrics in the module docstring."""
 

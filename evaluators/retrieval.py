@@ -31,14 +31,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from evaluators import caption_metrics, retrieval_data
 from evaluators.common import Encoder, blocked_scores, get as _get, tokenizer_from, uncertainty
+from evaluators.ranks import PAD, full_ranks, num_positives, pad_positives, r_precision_per_query
 from input_pipeline import eval_data
 from input_pipeline.eval_data import EvalSet
 
 log = logging.getLogger(__name__)
 
 KS = (1, 5, 10)
-_PAD = np.iinfo(np.int64).max // 2   # rank of a padding "positive": never < any K or R
 _WARNED: set[tuple[str, str]] = set()   # (data set, direction) without same-modality positives
 _MANY_POSITIVES = 32   # above this many positives per query, rank by one full sort per row
 
@@ -61,12 +62,12 @@ def positive_ranks(scores: np.ndarray, positives: np.ndarray) -> np.ndarray:
         full = full_ranks(scores)
         valid = positives >= 0
         got = np.take_along_axis(full, np.where(valid, positives, 0), 1)
-        return np.where(valid, got, _PAD).astype(np.int64)
-    ranks = np.full(positives.shape, _PAD, np.int64)
+        return np.where(valid, got, PAD).astype(np.int64)
+    ranks = np.full(positives.shape, PAD, np.int64)
     cols = np.arange(m)[None, :]
     for j in range(positives.shape[1]):
         pos = positives[:, j]
-        ranks[:, j] = np.where(pos >= 0, _rank_of(np, scores, pos, cols), _PAD)
+        ranks[:, j] = np.where(pos >= 0, _rank_of(np, scores, pos, cols), PAD)
     return ranks
 
 
@@ -76,17 +77,6 @@ def _rank_of(xp: Any, scores: Any, pos: Any, cols: Any) -> Any:
     value, masked by the caller), cols [1, M] the gallery indices."""
     sp = xp.take_along_axis(scores, xp.maximum(pos, 0)[:, None], 1)
     return (scores > sp).sum(1) + ((scores == sp) & (cols < pos[:, None])).sum(1)
-
-
-def full_ranks(scores: np.ndarray) -> np.ndarray:
-    """int64 [Q, M]: the 0-based rank of EVERY gallery item in each query's ranking, with
-    positive_ranks' tie rule (the inverse permutation of `np.argsort(-scores, kind="stable")`).
-    For metrics over the whole gallery (PMRP, ASP: evaluators/caption_metrics.py)."""
-    scores = np.asarray(scores)
-    order = np.argsort(-scores, axis=1, kind="stable")
-    ranks = np.empty(order.shape, np.int64)
-    np.put_along_axis(ranks, order, np.arange(scores.shape[1])[None, :], 1)
-    return ranks
 
 
 def top_indices(scores: np.ndarray, k: int) -> np.ndarray:
@@ -103,22 +93,9 @@ def top_indices(scores: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
-def num_positives(ranks: np.ndarray) -> np.ndarray:
-    """[Q] number of (non-padding) positives per query, from positive_ranks' output."""
-    return (np.asarray(ranks) < _PAD).sum(1)
-
-
 def recall_at_k(ranks: np.ndarray, k: int) -> float:
     """% of queries with at least one positive in the top k. ranks: [Q, P]."""
     return 100.0 * float(np.mean(np.min(ranks, 1) < k))
-
-
-def r_precision_per_query(ranks: np.ndarray) -> np.ndarray:
-    """float64 [Q]: |top-R ∩ positives| / R per query, R = the query's number of positives
-    (nan for a query without one)."""
-    r = num_positives(ranks)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return (np.asarray(ranks) < r[:, None]).sum(1) / r
 
 
 def r_precision(ranks: np.ndarray) -> float:
@@ -132,7 +109,7 @@ def map_at_r(ranks: np.ndarray) -> float:
     r = num_positives(ranks)
     srt = np.sort(ranks, 1)                               # the j-th best positive has j+1 hits
     hits = np.arange(1, ranks.shape[1] + 1)[None, :]
-    prec = np.where(srt < r[:, None], hits / (np.minimum(srt, _PAD - 1) + 1.0), 0.0)
+    prec = np.where(srt < r[:, None], hits / (np.minimum(srt, PAD - 1) + 1.0), 0.0)
     return 100.0 * float(np.mean(prec.sum(1) / r))
 
 
@@ -207,15 +184,6 @@ def same_modality_positives(cap_img: np.ndarray, captions: Sequence[str] | None 
     return {"i2i": i2i, "t2t": t2t}
 
 
-def pad_positives(lists: Sequence[Sequence[int]]) -> np.ndarray:
-    """Ragged lists of gallery indices -> int64 [Q, max len] padded with -1."""
-    width = max((len(x) for x in lists), default=0)
-    out = np.full((len(lists), max(width, 1)), -1, np.int64)
-    for i, x in enumerate(lists):
-        out[i, :len(x)] = x
-    return out
-
-
 def _device_ranks(scores: jax.Array, positives: jax.Array, exclude: jax.Array | None = None) -> jax.Array:
     """`positive_ranks` on the device (same ties: rank = #{s > s_p} + #{j < p : s_j == s_p}),
     with `exclude` scored -inf first as the host path does; padding (-1) -> -1.
@@ -248,7 +216,7 @@ def blocked_ranks(q_mu: np.ndarray, q_lv: np.ndarray, g_mu: np.ndarray, g_lv: np
         parts = [r for _, r in blocked_scores(q_mu, q_lv, g_mu, g_lv, kind=kind, block=block,
                                                device_reduce=_device_ranks, rows=rows)]
         got = np.concatenate(parts).astype(np.int64) if parts else np.empty(positives.shape, np.int64)
-        return np.where(got < 0, _PAD, got), None
+        return np.where(got < 0, PAD, got), None
     ranks = np.empty(positives.shape, np.int64)
     tops = np.empty((len(q_mu), min(topk, len(g_mu))), np.int64) if topk else None
 
@@ -268,7 +236,8 @@ def blocked_ranks(q_mu: np.ndarray, q_lv: np.ndarray, g_mu: np.ndarray, g_lv: np
 
 
 # =====================================================================================
-# Data: input_pipeline.eval_data sets (images read sharded over the hosts, captions known to all).
+# Data: evaluators/retrieval_data.py readers, input_pipeline.eval_data demo sets (images read
+# sharded over the hosts, captions known to all).
 # =====================================================================================
 def load_data(config: Mapping[str, Any]) -> EvalSet:
     c, kind = config, _get(config, "dataset", "demo")
@@ -278,21 +247,21 @@ def load_data(config: Mapping[str, Any]) -> EvalSet:
         for key in ("karpathy_json", "image_root"):
             if not _get(c, key):
                 raise ValueError(f"retrieval evaluator: dataset='karpathy' needs {key!r}")
-        data = eval_data.karpathy(_get(c, "karpathy_json"), _get(c, "image_root"),
+        data = retrieval_data.karpathy(_get(c, "karpathy_json"), _get(c, "image_root"),
                                   _get(c, "split", "test"), _get(c, "captions_per_image"),
                                   paths(_get(c, "coco_annotations", ())))
     elif kind == "cub":
         if not _get(c, "root"):
             raise ValueError("retrieval evaluator: dataset='cub' needs 'root' (images/ and text_c10/)")
-        data = eval_data.cub_captions(_get(c, "root"), _get(c, "split", "test"), _get(c, "split_dir", ""))
+        data = retrieval_data.cub_captions(_get(c, "root"), _get(c, "split", "test"), _get(c, "split_dir", ""))
     elif kind == "tfds":
-        data = eval_data.tfds_captions(_get(c, "tfds_name", "coco_captions"),
+        data = retrieval_data.tfds_captions(_get(c, "tfds_name", "coco_captions"),
                                        _get(c, "split", "test"), _get(c, "data_dir"))
     elif kind == "tar":
         if not _get(c, "path"):
             raise ValueError("retrieval evaluator: dataset='tar' needs 'path' (tar shards: files, "
                              "globs or a brace pattern)")
-        data = eval_data.image_text_tars(_get(c, "path"), limit=int(_get(c, "num_images", 0)))
+        data = retrieval_data.image_text_tars(_get(c, "path"), limit=int(_get(c, "num_images", 0)))
     else:
         raise ValueError(f"retrieval evaluator: unknown dataset {kind!r}; "
                          "use 'demo', 'karpathy', 'cub', 'tfds' or 'tar'")
@@ -399,8 +368,6 @@ class Evaluator:
                ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
         """(image mu [N, D], image logvar, text mu [M, D], text logvar); logvar None for a
         deterministic model."""
-        import jax
-
         batches = data.batches(self.encoder.batch_size * jax.process_count(), self.image_size,
                                self.encoder.normalization, self.threads)
         img = self.encoder.dataset(params, batches, len(data), progress)
@@ -417,7 +384,7 @@ class Evaluator:
         the top-k lists and the positives' ranks (i2t, t2i). images / caps: the set's rows in
         the full data (slice / indices; None = all), for the per-item extras (PMRP, ASP)."""
         if self.positives == "class":
-            i2t_pos, t2i_pos = caption_metrics().class_positives(
+            i2t_pos, t2i_pos = caption_metrics.class_positives(
                 self._class_ids[_all(images)], cap_img)
         else:
             i2t_pos = pad_positives([np.flatnonzero(cap_img == i) for i in range(len(i_mu))])
@@ -437,7 +404,7 @@ class Evaluator:
         set (the trainer evaluates the same set again and again)."""
         if getattr(self, "_prepared_for", None) is data:
             return
-        cm = caption_metrics()
+        cm = caption_metrics
         c = self.config
         self._class_ids = self._codes = self._tfidf = None
         if self.positives == "class":
@@ -450,7 +417,7 @@ class Evaluator:
             if data.info.get("image_ids") is None:
                 raise ValueError(f"retrieval/{data.name}: PMRP (instances=...) needs COCO image "
                                  "ids (a COCO Karpathy or tfds set)")
-            codes, annotated = eval_data.coco_category_codes(files, data.info["image_ids"])
+            codes, annotated = retrieval_data.coco_category_codes(files, data.info["image_ids"])
             rule = _get(c, "pmrp_unannotated", "drop")
             if rule not in ("drop", "zero"):
                 raise ValueError(f"retrieval evaluator: pmrp_unannotated={rule!r}; use 'drop' or 'zero'")
@@ -473,7 +440,7 @@ class Evaluator:
     def _extras(self, images: np.ndarray, caps: np.ndarray, cap_img: np.ndarray
                 ) -> tuple[dict[str, list], Callable[[], dict[str, float]]]:
         """blocked_ranks extras of one protocol (images, caps: its rows in the whole set)."""
-        cm = caption_metrics()
+        cm = caption_metrics
         extras: dict[str, list] = {"i2t": [], "t2i": []}
         done: list[tuple[str, Any]] = []
         if getattr(self, "_codes", None) is not None:
@@ -548,7 +515,7 @@ class Evaluator:
             rows = np.concatenate([fr[j] for fr in fold_ranks])
             width = max(fr[2][j].shape[1] for fr in fold_ranks)
             ranks = np.concatenate([np.pad(fr[2][j], ((0, 0), (0, width - fr[2][j].shape[1])),
-                                           constant_values=_PAD) for fr in fold_ranks])
+                                           constant_values=PAD) for fr in fold_ranks])
             for k, v in binned_ranking(ranks, uncertainty(lv[rows]), bins).items():
                 yield f"{d}/{k}", v
 
@@ -562,7 +529,7 @@ class Evaluator:
                             "(config coco_annotations=.../captions_val2014.json)")
             return None
         try:
-            import eccv_caption
+            import eccv_caption   # optional dependency (pip install eccv_caption): imported where used
         except ImportError:
             if data.name == "coco" and (data.name, "eccv") not in _WARNED:
                 _WARNED.add((data.name, "eccv"))
@@ -638,9 +605,3 @@ def _rows(x: np.ndarray | None, rows: Any) -> np.ndarray | None:
 def _all(rows: Any) -> Any:
     """None (the whole set) -> slice(None) for indexing."""
     return slice(None) if rows is None else rows
-
-
-def caption_metrics() -> Any:
-    """evaluators.caption_metrics (imported here: it imports this module's rank functions)."""
-    from evaluators import caption_metrics as cm
-    return cm

@@ -32,18 +32,22 @@ Metrics: suite/<task>/<metric>, suite/<group>/average, suite/average, suite/num_
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import sys
+import tarfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+import jax
 import numpy as np
 
-from evaluators import common, zeroshot as zs
+from evaluators import common, retrieval, retrieval_data, zeroshot as zs
 from evaluators.common import get as _get
 from input_pipeline import eval_data
+from input_pipeline.eval_data import EvalSet, Records, TarImages
 
 DATA_DIR = Path(__file__).parent / "data"
 GROUPS = ("imagenet", "dist_shift", "vtab", "retrieval", "other")
@@ -103,6 +107,87 @@ def wds_folder(task: dict) -> str:
     return f"wds_{task['datacomp_key'].replace('/', '-')}_test"
 
 
+# ----------------------------------------------------------------------------- clip_benchmark webdatasets
+WDS_IMAGE_EXTS = ("webp", "png", "jpg", "jpeg")   # clip_benchmark build_wds_dataset's order
+
+
+def _wds_shards(split_dir: str) -> list[str]:
+    """<split>/0.tar ... (n-1).tar from nshards.txt, else every *.tar in numeric/name order."""
+    nshards = os.path.join(split_dir, "nshards.txt")
+    if os.path.exists(nshards):
+        with open(nshards) as f:
+            return [os.path.join(split_dir, f"{i}.tar") for i in range(int(f.read().strip()))]
+    names = [n for n in os.listdir(split_dir) if n.endswith(".tar")]
+    key = lambda n: (0, int(n[:-4]), n) if n[:-4].isdigit() else (1, 0, n)
+    return [os.path.join(split_dir, n) for n in sorted(names, key=key)]
+
+
+def read_lines(path: str) -> list[str] | None:
+    """The non-empty lines of a text file, stripped; None when it does not exist."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return [line.strip() for line in f.read().splitlines() if line.strip()]
+
+
+def webdataset(folder: str, split: str = "test", name: str | None = None) -> EvalSet:
+    """A clip_benchmark / DataComp webdataset folder, read locally with random access:
+
+        folder/<split>/{nshards.txt, 0.tar, 1.tar, ...}   samples <key>.{webp|png|jpg|jpeg}
+                                                          + <key>.cls (label) | <key>.txt (captions)
+                                                          [+ <key>.npy (metadata row, WILDS)]
+        folder/classnames.txt, zeroshot_classification_templates.txt, [dataset_type.txt]
+
+    (the layout of clip_benchmark `build_wds_dataset` and of DataComp's download_evalsets.py).
+    Every shard's headers are read once to index the samples; images stay encoded until read.
+    info: dataset_type ("classification" | "retrieval"), classnames / templates (None when the
+    file is absent), labels int64 [N] (classification), metadata [N, k] (when .npy are present).
+    Retrieval folders give captions (one per line of each .txt) and caption_record."""
+    split_dir = os.path.join(folder, split)
+    if not os.path.isdir(split_dir):
+        raise FileNotFoundError(f"webdataset split directory {split_dir!r} does not exist")
+    shards = _wds_shards(split_dir)
+    missing = [s for s in shards if not os.path.exists(s)]
+    if not shards or missing:
+        raise FileNotFoundError(f"webdataset shards missing under {split_dir!r}: {missing[:3] or 'no .tar'}")
+    kind = (read_lines(os.path.join(folder, "dataset_type.txt")) or ["classification"])[0].lower()
+    samples: dict[str, dict[str, Any]] = {}
+    for shard in shards:
+        with tarfile.open(shard) as tf:
+            for m in tf:
+                if not m.isfile():
+                    continue
+                # webdataset's key: the member path up to the first dot of its basename
+                d, base = os.path.split(m.name)
+                stem, _, ext = base.partition(".")
+                s = samples.setdefault(f"{shard}:{d}/{stem}", {})
+                ext = ext.lower()
+                if ext in WDS_IMAGE_EXTS:
+                    s.setdefault("image", (shard, m.offset_data, m.size))
+                elif ext in ("cls", "txt", "npy"):
+                    s[ext] = tf.extractfile(m).read()
+    rows = [s for s in samples.values() if "image" in s]
+    if not rows:
+        raise FileNotFoundError(f"no images in the webdataset shards under {split_dir!r}")
+    info: dict[str, Any] = {"dataset_type": kind}
+    templates = read_lines(os.path.join(folder, "zeroshot_classification_templates.txt"))
+    info["classnames"] = read_lines(os.path.join(folder, "classnames.txt"))
+    info["templates"] = None if templates is None else [t.replace("{c}", "{}") for t in templates]
+    name = name or os.path.basename(os.path.normpath(folder))
+    where = [s["image"] for s in rows]
+    if kind == "retrieval":
+        per = [s.get("txt", b"").decode().splitlines() for s in rows]
+        return EvalSet(name, Records(len(rows), TarImages(where, None)), [c for p in per for c in p],
+                       np.repeat(np.arange(len(rows)), [len(p) for p in per]), info)
+    if any("cls" not in s for s in rows):
+        raise ValueError(f"webdataset {folder!r}: some samples have no .cls label")
+    labels = np.asarray([int(s["cls"].decode().strip()) for s in rows], np.int64)
+    info["labels"] = labels
+    if all("npy" in s for s in rows):
+        info["metadata"] = np.stack([np.load(io.BytesIO(s["npy"])) for s in rows])
+    return EvalSet(name, Records(len(rows), TarImages(where, labels)), info=info)
+
+
 # ----------------------------------------------------------------------------- sources
 def _norm(s: str) -> str:
     return re.sub(r"[\s_]+", " ", s.strip().lower())
@@ -128,7 +213,7 @@ def _imagefolder_index(task: dict, base: str, classnames: list[str]) -> dict[str
     return {d: i for i, d in enumerate(dirs)}   # torchvision ImageFolder order
 
 
-def _class_lists(task: dict, folder: str | None, es: eval_data.EvalSet | None
+def _class_lists(task: dict, folder: str | None, es: EvalSet | None
                  ) -> tuple[list[str], list[str]]:
     """(class names, templates): the data's own files first (DataComp uses a webdataset's
     classnames.txt / templates), then the shipped ones."""
@@ -136,8 +221,8 @@ def _class_lists(task: dict, folder: str | None, es: eval_data.EvalSet | None
     names = info.get("classnames")
     templates = info.get("templates")
     if folder is not None:
-        names = names or eval_data.read_lines(os.path.join(folder, "classnames.txt"))
-        local = eval_data.read_lines(os.path.join(folder, "templates.txt"))
+        names = names or read_lines(os.path.join(folder, "classnames.txt"))
+        local = read_lines(os.path.join(folder, "templates.txt"))
         templates = templates or (None if local is None else [t.replace("{c}", "{}") for t in local])
     names = names or shipped_classnames(task.get("classnames"))
     if not names:
@@ -147,11 +232,11 @@ def _class_lists(task: dict, folder: str | None, es: eval_data.EvalSet | None
 
 
 def open_classification(task: dict, data_dir: str, split: str = "test",
-                        tfds_data_dir: str = "") -> tuple[str, eval_data.EvalSet, list[str], list[str]]:
+                        tfds_data_dir: str = "") -> tuple[str, EvalSet, list[str], list[str]]:
     """(source kind, image set, class names, templates) of the first source present; Skip."""
     wds = os.path.join(data_dir, wds_folder(task))
     if os.path.isdir(wds):
-        es = eval_data.webdataset(wds, split, task["id"])
+        es = webdataset(wds, split, task["id"])
         names, templates = _class_lists(task, None, es)
         return "wds", es, names, templates
     folder = os.path.join(data_dir, task["id"])
@@ -167,7 +252,7 @@ def open_classification(task: dict, data_dir: str, split: str = "test",
     raise Skip("no data: looked for " + ", ".join(looked))
 
 
-def _open_tfds(task: dict, data_dir: str) -> tuple[str, eval_data.EvalSet, list[str], list[str]]:
+def _open_tfds(task: dict, data_dir: str) -> tuple[str, EvalSet, list[str], list[str]]:
     t = task["tfds"]
     label_map = None
     if t.get("labels") == "imagenet1k":   # tfds imagenet_a / _r label with ImageNet-1k indices
@@ -274,8 +359,6 @@ class Evaluator:
             return self._retrieval(task, params, progress)
         source, es, names, templates = open_classification(task, self.data_dir, self.split,
                                                            self.tfds_data_dir)
-        import jax
-
         tokens = common.tokenize_checked(self.tokenizer, zs.prompts(names, templates),
                                          f"{task.get('id', 'zero-shot')} prompts")
         text_mu, text_lv = self.encoder.texts(params, tokens)
@@ -297,8 +380,6 @@ class Evaluator:
                     num_classes=len(names), num_templates=len(templates), metrics=m)
 
     def _retrieval(self, task: dict, params: Any, progress: Callable | None) -> dict:
-        from evaluators import retrieval
-
         cfg = dict(name=task["id"], scores=(self.score,), batch_size=self.encoder.batch_size,
                    num_threads=self.threads, image_size=self.image_size, eccv=False,
                    unc_bins=0, same_modality=(), num_folds=0,
@@ -307,9 +388,9 @@ class Evaluator:
         kp = task["karpathy"]
         js, images = (os.path.join(self.data_dir, kp[k]) for k in ("json", "images"))
         if os.path.isdir(wds):
-            source, es = "wds", eval_data.webdataset(wds, self.split, task["id"])
+            source, es = "wds", webdataset(wds, self.split, task["id"])
         elif os.path.exists(js):
-            source, es = "karpathy", eval_data.karpathy(js, images, self.split)
+            source, es = "karpathy", retrieval_data.karpathy(js, images, self.split)
             es.name = task["id"]
         else:
             raise Skip(f"no data: looked for {wds}, {js}")

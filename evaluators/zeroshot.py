@@ -62,7 +62,7 @@ import numpy as np
 from evaluators import common, prompt_reweighting, prompt_selection
 from evaluators.common import get as _get
 from input_pipeline import eval_data
-from input_pipeline.eval_data import read_list as _read_list
+from input_pipeline.caption_files import read_list as _read_list
 
 DATA_DIR = Path(__file__).parent / "data"
 

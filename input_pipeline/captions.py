@@ -45,7 +45,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from input_pipeline import eval_data
+from input_pipeline import caption_files
 from input_pipeline.config import DEFAULT_SPLITS
 from input_pipeline.records import Skip
 
@@ -171,11 +171,11 @@ def _first(captions: Sequence[str], k: int | None) -> list[str]:
 
 def read_karpathy(json_path: str, image_root: str, splits: Sequence[str], source: str,
                   captions_per_image: int | None) -> CaptionIndex:
-    """A Karpathy split file (parsed by eval_data.read_karpathy) + its image root.
+    """A Karpathy split file (parsed by caption_files.read_karpathy) + its image root.
     captions_per_image: the first k sentences (None: 5 for COCO, as the retrieval
     evaluator and the 5-caption protocol; all for Flickr30K, which has 5); 0: all."""
     who = f"data.source={source!r}"
-    name, entries = eval_data.read_karpathy(json_path, splits, who)
+    name, entries = caption_files.read_karpathy(json_path, splits, who)
     if captions_per_image is None:
         captions_per_image = 5 if source == "coco_karpathy" else 0
     ids, captions = [], []
@@ -191,7 +191,7 @@ def read_karpathy(json_path: str, image_root: str, splits: Sequence[str], source
         raise ValueError(f"{who}: {json_path}: image ids (cocoid / imgid) repeat within splits "
                          f"{list(splits)}")
     flat = _image_layout(image_root, entries, json_path, who)
-    paths = [eval_data.karpathy_image_path(image_root, e, flat) for e in entries]
+    paths = [caption_files.karpathy_image_path(image_root, e, flat) for e in entries]
     return CaptionIndex(source, [json_path], paths, ids, captions)
 
 
@@ -203,15 +203,15 @@ def _image_layout(image_root: str, entries: Sequence[dict], json_path: str, who:
     step = max(1, len(entries) // _SAMPLE_CHECKED)
     sample = entries[::step][:_SAMPLE_CHECKED]
     for flat in (False, True):
-        if any(os.path.isfile(eval_data.karpathy_image_path(image_root, e, flat))
+        if any(os.path.isfile(caption_files.karpathy_image_path(image_root, e, flat))
                for e in sample):
             return flat
     e = sample[0]
     raise FileNotFoundError(
         f"{who}: none of {len(sample)} sampled images of {json_path} is under data.image_root "
         f"{image_root!r}, e.g. entry {e['filename']!r}: neither "
-        f"{eval_data.karpathy_image_path(image_root, e)} nor "
-        f"{eval_data.karpathy_image_path(image_root, e, flat=True)} exists")
+        f"{caption_files.karpathy_image_path(image_root, e)} nor "
+        f"{caption_files.karpathy_image_path(image_root, e, flat=True)} exists")
 
 
 def read_cub(root: str, splits: Sequence[str], split_dir: str = "",
@@ -228,7 +228,7 @@ def read_cub(root: str, splits: Sequence[str], split_dir: str = "",
     classes: dict[str, str] = {}   # class folder -> the split file that named it
     for split in splits:
         split_file = os.path.join(split_dir or root, f"{split}classes.txt")
-        names = eval_data.read_list(split_file, f"{who} class split")
+        names = caption_files.read_list(split_file, f"{who} class split")
         if not names:
             raise ValueError(f"{who}: class split file {split_file} names no class")
         for name in names:
@@ -249,7 +249,7 @@ def read_cub(root: str, splits: Sequence[str], split_dir: str = "",
             raise FileNotFoundError(f"{who}: {split_file}: class {cls!r} has no caption folder "
                                     f"{txt_dir}")
         imgs = {os.path.splitext(f)[0]: f for f in os.listdir(img_dir)
-                if f.lower().endswith(eval_data.IMAGE_EXTENSIONS)}
+                if f.lower().endswith(caption_files.IMAGE_EXTENSIONS)}
         txts = {os.path.splitext(f)[0]: f for f in os.listdir(txt_dir) if f.endswith(".txt")}
         for stem in sorted(set(txts) - set(imgs)):
             raise ValueError(f"{who}: caption file {os.path.join(txt_dir, txts[stem])} has no "

@@ -24,15 +24,16 @@ if str(ROOT) not in sys.path:
 
 
 def load_set(args: argparse.Namespace) -> Any:
+    from evaluators import hierarcaps, retrieval_data
     from input_pipeline import eval_data
 
     if args.dataset == "demo":
         demo = {"cache_dir": args.demo_cache_dir} if args.demo_cache_dir else {}
         data = eval_data.demo(args.demo_split, demo)
     elif args.dataset == "karpathy":
-        data = eval_data.karpathy(args.karpathy_json, args.image_root, args.split)
+        data = retrieval_data.karpathy(args.karpathy_json, args.image_root, args.split)
     elif args.dataset == "hierarcaps":
-        data = eval_data.hierarcaps(args.csv, args.image_dir)
+        data = hierarcaps.read_hierarcaps(args.csv, args.image_dir)
     else:
         raise SystemExit(f"error: unknown dataset {args.dataset!r} (demo | karpathy | hierarcaps)")
     if args.max_items and args.max_items < len(data):

@@ -15,8 +15,9 @@ import pytest
 from PIL import Image
 
 from evaluators import caption_metrics as CM
+from evaluators import ranks as RK
 from evaluators import retrieval as R
-from input_pipeline import eval_data
+from evaluators import retrieval_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,10 +52,10 @@ def run_pmrp(acc, scores, split):
 
 def test_hamming_and_full_ranks():
     np.testing.assert_array_equal(CM.hamming(CODES, CODES), [[0, 1, 4], [1, 0, 3], [4, 3, 0]])
-    np.testing.assert_array_equal(R.full_ranks(I2T[:2]), [[0, 5, 1, 2, 3, 4], [1, 2, 3, 0, 4, 5]])
+    np.testing.assert_array_equal(RK.full_ranks(I2T[:2]), [[0, 5, 1, 2, 3, 4], [1, 2, 3, 0, 4, 5]])
     # the same tie rule as positive_ranks (stable descending argsort)
     every = np.tile(np.arange(6), (3, 1))
-    np.testing.assert_array_equal(R.full_ranks(I2T), R.positive_ranks(I2T, every))
+    np.testing.assert_array_equal(RK.full_ranks(I2T), R.positive_ranks(I2T, every))
 
 
 def test_pmrp_by_hand():
@@ -155,7 +156,7 @@ def test_cub_class_r_precision_by_hand(monkeypatch):
     # the many-positives path (one sort per row) == the per-positive path
     rng = np.random.default_rng(0)
     s = np.round(rng.random((7, 90)), 1)           # many ties
-    pos = R.pad_positives([rng.choice(90, rng.integers(1, 60), replace=False) for _ in range(7)])
+    pos = RK.pad_positives([rng.choice(90, rng.integers(1, 60), replace=False) for _ in range(7)])
     fast = R.positive_ranks(s, pos)
     monkeypatch.setattr(R, "_MANY_POSITIVES", 10 ** 9)
     np.testing.assert_array_equal(fast, R.positive_ranks(s, pos))
@@ -189,14 +190,14 @@ def write_instances(path, image_ids, cats_of):
 def test_coco_category_codes_and_missing_image(tmp_path):
     f = write_instances(tmp_path / "instances_val2014.json", [5, 6, 7],
                         {5: [1, 1, 3], 6: [90]})
-    codes, annotated = eval_data.coco_category_codes([str(f)], [6, 5, 7])
+    codes, annotated = retrieval_data.coco_category_codes([str(f)], [6, 5, 7])
     assert codes.shape == (3, 90)
     assert [np.flatnonzero(c).tolist() for c in codes] == [[89], [0, 2], []]
     assert annotated.tolist() == [True, True, False]
     with pytest.raises(ValueError, match=r"instances_val2014\.json.*image id 8"):
-        eval_data.coco_category_codes(str(f), [5, 8])
+        retrieval_data.coco_category_codes(str(f), [5, 8])
     with pytest.raises(FileNotFoundError, match="nothere.json"):
-        eval_data.coco_category_codes([str(tmp_path / "nothere.json")], [5])
+        retrieval_data.coco_category_codes([str(tmp_path / "nothere.json")], [5])
 
 
 # ---- end to end: a tiny Karpathy-format COCO set through the evaluator (micro model) -------
@@ -278,7 +279,7 @@ def test_evaluator_end_to_end_karpathy(tmp_path, caplog):
     apply = lambda m, x: jax.jit(lambda p, x: model.apply({"params": p}, x, method=m))(params, x)
     i_mu, i_lv = (np.asarray(a, np.float64) for a in apply(model.encode_image, normalize(images)))
     t_mu, t_lv = (np.asarray(a, np.float64) for a in apply(model.encode_text, tok(data.captions)))
-    codes, annotated = eval_data.coco_category_codes([str(instances)], data.info["image_ids"])
+    codes, annotated = retrieval_data.coco_category_codes([str(instances)], data.info["image_ids"])
     assert annotated.tolist() == [True, True, True, False]
     v = CM.tfidf_vectors(data.captions).toarray()
     full = dense_extras(i_mu, i_lv, t_mu, t_lv, cap_img, codes, annotated, v)

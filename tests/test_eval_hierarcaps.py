@@ -1,4 +1,4 @@
-"""evaluators/hierarcaps.py and eval_data.hierarcaps: traversal metrics on hand-built 2-D
+"""evaluators/hierarcaps.py and its reader read_hierarcaps: traversal metrics on hand-built 2-D
 embeddings, [ROOT] by inclusion against the paper's closed form, the CSV loader, end to end."""
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import pytest
 from PIL import Image
 
 from evaluators import hierarcaps as H
-from input_pipeline import eval_data
 
 
 def unit(deg):
@@ -114,22 +113,22 @@ def test_loader_format_and_errors(tmp_path):
     rows = [(CAPTIONS[:4], URL.format(301718)), (CAPTIONS[4:], URL.format(100489))]
     path, images = write_hierarcaps(tmp_path / "a", rows, ["COCO_val2014_000000301718.jpg",
                                                            "000000100489.jpg"])   # 2017 naming
-    es = eval_data.hierarcaps(path, images)
+    es = H.read_hierarcaps(path, images)
     assert len(es) == 2 and es.captions == CAPTIONS
     np.testing.assert_array_equal(es.caption_record, [0, 0, 0, 0, 1, 1, 1, 1])
     np.testing.assert_array_equal(es.info["image_ids"], [301718, 100489])
     assert es.records[1]["key"].endswith("000000100489.jpg")
-    assert len(eval_data.hierarcaps(path, images, limit=1)) == 1
+    assert len(H.read_hierarcaps(path, images, limit=1)) == 1
     # a caption with a comma survives the CSV quoting; three levels are refused
     bad, imgs = write_hierarcaps(tmp_path / "b", [(["a", "b, c", "d"], URL.format(1))],
                                  ["COCO_val2014_000000000001.jpg"])
     with pytest.raises(ValueError, match="3 caption levels"):
-        eval_data.hierarcaps(bad, imgs)
+        H.read_hierarcaps(bad, imgs)
     miss, imgs = write_hierarcaps(tmp_path / "c", rows, ["COCO_val2014_000000301718.jpg"])
     with pytest.raises(FileNotFoundError, match="1 of 2 images"):
-        eval_data.hierarcaps(miss, imgs)
+        H.read_hierarcaps(miss, imgs)
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        eval_data.hierarcaps(str(tmp_path / "nope.csv"), imgs)
+        H.read_hierarcaps(str(tmp_path / "nope.csv"), imgs)
 
 
 # ------------------------------------------------------------------------------ evaluator

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from evaluators import ranks as RK
 from evaluators import retrieval as R
+from evaluators import retrieval_data
 from input_pipeline import eval_data
 
 # ---- a hand-computed case: 3 images, 7 captions; img0 {0,1}, img1 {2,3}, img2 {4,5,6} -----
@@ -30,12 +32,12 @@ T2I_SCORES = np.array([
 
 
 def i2t_positives(cap_img, n):
-    return R.pad_positives([np.flatnonzero(cap_img == i) for i in range(n)])
+    return RK.pad_positives([np.flatnonzero(cap_img == i) for i in range(n)])
 
 
 def test_positive_ranks_and_ties_by_hand():
     ranks = R.positive_ranks(I2T_SCORES, i2t_positives(CAP_IMG, 3))
-    pad = R._PAD
+    pad = RK.PAD
     np.testing.assert_array_equal(ranks, [[0, 6, pad], [2, 3, pad], [2, 0, 3]])
     np.testing.assert_array_equal(R.positive_ranks(T2I_SCORES, CAP_IMG[:, None])[:, 0],
                                   [0, 0, 1, 2, 0, 2, 1])
@@ -85,7 +87,7 @@ def test_against_eccv_caption_on_real_coco_ids():
             gallery = np.array(sorted(set(pos_ids) | set(int(x) for x in others)))
             where = {int(g): i for i, g in enumerate(gallery)}
             # coarse scores: many ties, broken by the gallery order as the reference does
-            pos = R.pad_positives([[where[int(x)] for x in set(gt[int(q)])] for q in queries])
+            pos = RK.pad_positives([[where[int(x)] for x in set(gt[int(q)])] for q in queries])
             scores = rng.random((len(queries), len(gallery)))
             for j in range(pos.shape[1]):   # lift the positives so that the metrics are not ~0
                 ok = pos[:, j] >= 0
@@ -115,7 +117,7 @@ def test_blocked_equals_dense_and_reference_ranking():
     g_mu /= np.linalg.norm(g_mu, axis=1, keepdims=True)
     q_lv = rng.normal(-2, 1, size=(nq, d)).astype(np.float32)
     g_lv = rng.normal(-2, 1, size=(ng, d)).astype(np.float32)
-    pos = R.pad_positives([rng.choice(ng, rng.integers(1, 5), replace=False) for _ in range(nq)])
+    pos = RK.pad_positives([rng.choice(ng, rng.integers(1, 5), replace=False) for _ in range(nq)])
     # the reference's CSD-equivalent scores: mu_q @ mu_g.T - u_g / 2 (REFERENCE §3.3)
     u_g = np.exp(g_lv.astype(np.float64)).sum(1)
     ref = {"csd": q_mu.astype(np.float64) @ g_mu.T - u_g[None] / 2, "dot": q_mu @ g_mu.T}
@@ -137,7 +139,7 @@ def test_device_ranks_equal_host_ranks_with_ties_padding_and_exclusion():
     # coarse integer means: many exactly equal dot scores, so the tie rule is exercised
     q_mu = rng.integers(-1, 2, size=(nq, d)).astype(np.float32)
     g_mu = rng.integers(-1, 2, size=(ng, d)).astype(np.float32)
-    pos = R.pad_positives([rng.choice(ng, rng.integers(1, 6), replace=False) for _ in range(nq)])
+    pos = RK.pad_positives([rng.choice(ng, rng.integers(1, 6), replace=False) for _ in range(nq)])
     scores = q_mu @ g_mu.T
     assert (np.diff(np.sort(scores, 1), axis=1) == 0).sum() > nq * 5   # ties present
     for exclude in (None, rng.integers(0, ng, nq)):
@@ -252,7 +254,7 @@ def test_karpathy_loading(tmp_path):
     from input_pipeline.transforms import eval_transform
 
     path = write_karpathy(tmp_path)
-    data = eval_data.karpathy(str(path), str(tmp_path))
+    data = retrieval_data.karpathy(str(path), str(tmp_path))
     assert data.name == "coco" and len(data) == 4
     assert len(data.captions) == 20   # image 0 has 6 sentences: the first 5 are kept
     assert data.captions[:2] == ["a red square number 0 0", "a red square number 0 1"]
@@ -268,15 +270,15 @@ def test_karpathy_loading(tmp_path):
     anns = [{"image_id": 1000 + i, "id": 7000 + 10 * i + j,
              "caption": f"A red square number {i} {j} "} for i in range(4) for j in range(6)]
     (tmp_path / "captions_val2014.json").write_text(json.dumps({"annotations": anns}))
-    data = eval_data.karpathy(str(path), str(tmp_path),
+    data = retrieval_data.karpathy(str(path), str(tmp_path),
                               coco_annotations=[str(tmp_path / "captions_val2014.json")])
     assert data.info["caption_ids"][:6].tolist() == [7000, 7001, 7002, 7003, 7004, 7010]
     # missing files are named
     with pytest.raises(FileNotFoundError, match="nothere.json"):
-        eval_data.karpathy(str(tmp_path / "nothere.json"), str(tmp_path))
+        retrieval_data.karpathy(str(tmp_path / "nothere.json"), str(tmp_path))
     (tmp_path / "val2014" / "img3.png").unlink()
     with pytest.raises(FileNotFoundError, match="img3.png"):
-        eval_data.karpathy(str(path), str(tmp_path))
+        retrieval_data.karpathy(str(path), str(tmp_path))
 
 
 def test_evaluator_karpathy_coco_folds(setup, tmp_path):
@@ -355,7 +357,7 @@ def test_evaluator_eccv_and_cxc_on_real_ids(setup, monkeypatch):
         for gt, name in ((sl.eccv_gts[d], "eccv"), (sl.cxc_gts[d], "cxc")):
             rows = [q_ids.index(q) for q in gt]
             ranks = R.positive_ranks(scores[d][rows],
-                                     R.pad_positives([[where[g] for g in gt[q]] for q in gt]))
+                                     RK.pad_positives([[where[g] for g in gt[q]] for q in gt]))
             if name == "eccv":
                 assert res[f"retrieval/coco/csd/eccv/{d}_r1"] == pytest.approx(R.recall_at_k(ranks, 1))
                 assert res[f"retrieval/coco/csd/eccv/{d}_map_at_r"] == pytest.approx(R.map_at_r(ranks))

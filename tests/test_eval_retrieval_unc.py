@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from evaluators import ranks as RK
 from evaluators import retrieval as R
 from input_pipeline.eval_data import EvalSet
 
@@ -12,7 +13,7 @@ from input_pipeline.eval_data import EvalSet
 def test_binned_ranking_by_hand():
     # one positive per query at ranks 0, 3, 0, 1; sigma^2 order q0 < q2 < q3 < q1
     ranks = np.array([[0], [3], [0], [1]])
-    two = R.binned_ranking(np.array([[0, 1], [2, R._PAD], [0, 3], [1, R._PAD]]),
+    two = R.binned_ranking(np.array([[0, 1], [2, RK.PAD], [0, 3], [1, RK.PAD]]),
                            np.array([0.1, 0.4, 0.2, 0.3]), bins=2)
     # mAP@R: q0 (1 + 1) / 2, q2 1/2 | q3 0, q1 0 (R = 1, positive at rank 1 / 2)
     assert two["unc_bin0_map_at_r"] == pytest.approx(100 * (1 + 0.5) / 2)
@@ -56,7 +57,7 @@ def dense_ranks(q_mu, q_lv, g_mu, g_lv, positives, exclude=None):
     if exclude is not None:
         s[np.arange(len(s)), exclude] = -np.inf
     order = np.argsort(-s, 1, kind="stable")
-    return np.array([[np.flatnonzero(order[q] == p)[0] if p >= 0 else R._PAD for p in row]
+    return np.array([[np.flatnonzero(order[q] == p)[0] if p >= 0 else RK.PAD for p in row]
                      for q, row in enumerate(positives)])
 
 
@@ -78,7 +79,7 @@ def test_evaluator_uncertainty_outputs_equal_dense(monkeypatch):
     monkeypatch.setattr(ev, "encode", lambda params, data, progress=None: (i_mu, i_lv, t_mu, t_lv))
     res = dict(ev.run(None))
     p = "retrieval/toy/csd"
-    i2t = dense_ranks(i_mu, i_lv, t_mu, t_lv, R.pad_positives([np.flatnonzero(cap_img == i) for i in range(6)]))
+    i2t = dense_ranks(i_mu, i_lv, t_mu, t_lv, RK.pad_positives([np.flatnonzero(cap_img == i) for i in range(6)]))
     for k, v in R.binned_ranking(i2t, np.exp(i_lv).sum(-1), 3).items():
         assert res[f"{p}/i2t/{k}"] == pytest.approx(v), k
     t2t = dense_ranks(t_mu, t_lv, t_mu, t_lv, (cap_img * 2 + 1 - np.arange(12) % 2)[:, None],

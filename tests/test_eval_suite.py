@@ -13,7 +13,6 @@ import pytest
 from PIL import Image
 
 from evaluators import suite, zeroshot as zs
-from input_pipeline import eval_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,16 +133,16 @@ def data_dir(tmp_path_factory):
 
 
 def test_webdataset_loader(data_dir):
-    es = eval_data.webdataset(str(data_dir / "wds_wilds-fmow_test"))
+    es = suite.webdataset(str(data_dir / "wds_wilds-fmow_test"))
     assert len(es) == 6 and es.info["classnames"] == ["airport", "farm"]
     assert es.info["labels"].tolist() == [0, 1, 0, 1, 0, 1]
     assert es.info["metadata"][:, 0].tolist() == [0, 1, 2, 0, 1, 2]
     rec = es.records[1]
     assert rec["label"] == 1 and Image.open(io.BytesIO(rec["image"])).size == (12, 12)
-    pets = eval_data.webdataset(str(data_dir / "wds_vtab-pets_test"))
+    pets = suite.webdataset(str(data_dir / "wds_vtab-pets_test"))
     assert pets.info["templates"] == ["a photo of a {}.", "a {}."]
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        eval_data.webdataset(str(data_dir / "nope"))
+        suite.webdataset(str(data_dir / "nope"))
 
 
 def _tok(texts):   # stand-in tokenizer: distinct texts give distinct rows

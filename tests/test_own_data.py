@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from evaluators import retrieval_data
 from evaluators import zeroshot as zs
 from input_pipeline import eval_data, synthetic
 from prolip_jax import train
@@ -200,7 +201,7 @@ def test_retrieval_set_from_training_tar_shards(tmp_path):
     paths = _tar_shards(tmp_path, num_shards=2, per_shard=3)
     members = synthetic.record_members("orphan", {"txt": b"no image"})   # skipped, as in training
     synthetic.write_tar(str(tmp_path / "train-0002.tar"), members)
-    es = eval_data.image_text_tars(str(tmp_path / "train-{0000..0002}.tar"))
+    es = retrieval_data.image_text_tars(str(tmp_path / "train-{0000..0002}.tar"))
     assert len(es) == 6 and es.captions[0] == "a photo of the digit eight"
     assert es.caption_record.tolist() == list(range(6))
     img = Image.open(io.BytesIO(es.records[5]["image"]))
