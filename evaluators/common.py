@@ -1,34 +1,49 @@
-"""Shared evaluator plumbing: config access, the -CSD / dot scores in blocks, metric helpers.
+"""Shared evaluator plumbing: config parsing, the -CSD / dot scores in blocks, metric helpers.
 
 Every evaluator encodes through `prolip_jax.encode.Encoder` (re-exported here) and reads its
 images through `input_pipeline.eval_data` sets, so it runs sharded over all hosts' devices and
 every host computes the same metrics.
+
+Each evaluator declares its knobs once, in a frozen `Config` dataclass beside its code, parsed
+by `parse_config` (prolip_jax/schema.py): a mistyped key is an error naming the nearest field.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterator
+import logging
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from input_pipeline.tokenizers import build_tokenizer
+from prolip_jax import schema
 from prolip_jax.encode import Encoder  # noqa: F401  (the evaluators' encoder, re-exported)
 from prolip_jax.losses import csd
 
-
-def get(config: Any, key: str, default: Any = None) -> Any:
-    """config[key] of a dict or ConfigDict; `default` when absent or None."""
-    value = config.get(key, default) if hasattr(config, "get") else getattr(config, key, default)
-    return default if value is None else value
+log = logging.getLogger(__name__)
 
 
-def tokenizer_from(config: Any, context_length: int, what: str) -> Callable:
-    """input_pipeline.tokenizers.build_tokenizer(**config.tokenizer), or a clear error."""
-    kw = dict(get(config, "tokenizer", {}) or {})
+def parse_config(cls: type, config: Any, kind: str) -> Any:
+    """An evaluator's `Config` (frozen dataclass) from its section of `config.evals` (a dict or
+    ConfigDict, without the trainer's type / log_steps / prefix): an unknown key is an error
+    naming the nearest field, an ill-typed value is refused, then `Config.validate()` runs.
+    A `type` key naming this evaluator (a whole config.evals section) is accepted."""
+    section = dict(config.to_dict() if hasattr(config, "to_dict") else config)
+    if section.get("type", kind) != kind:
+        raise ValueError(f"config.evals.<name>: a type={section['type']!r} section given to the "
+                         f"{kind!r} evaluator")
+    section.pop("type", None)
+    return schema.parse(cls, section, f"config.evals.<name> (type={kind!r})")
+
+
+def tokenizer_from(kwargs: Mapping[str, Any] | None, context_length: int, what: str) -> Callable:
+    """input_pipeline.tokenizers.build_tokenizer(**kwargs) (an evaluator's `tokenizer` field),
+    or a clear error when it names no file."""
+    kw = dict(kwargs or {})
     if not kw.get("path"):
         raise ValueError(f"{what}: pass a tokenizer or set config.tokenizer=dict(kind=..., path=...)")
-    from input_pipeline.tokenizers import build_tokenizer
     kw.setdefault("context_length", context_length)
     return build_tokenizer(**kw)
 
@@ -41,10 +56,8 @@ def tokenize_checked(tokenizer: Callable, texts: list[str], what: str) -> np.nda
         return tokenizer(texts)
     tokens, cut = tokenizer.encode_with_truncation(texts)
     if cut.any():
-        import logging
-
         examples = [texts[i] for i in np.flatnonzero(cut)[:3]]
-        logging.getLogger(__name__).warning(
+        log.warning(
             "%s: %d of %d texts are longer than the tokenizer's context length (%d tokens) and were "
             "cut, e.g. %s; use a longer context or shorter templates / class names.", what,
             int(cut.sum()), len(texts), tokenizer.context_length, examples)
@@ -120,13 +133,3 @@ def binned_accuracy(correct: np.ndarray, unc: np.ndarray, bins: int = 10) -> tup
     if np.std(accs) == 0:
         return accs, 0.0
     return accs, float(np.corrcoef(np.arange(bins), accs)[0, 1])
-
-
-def with_defaults(config: Any, defaults: dict[str, Any], who: str) -> dict[str, Any]:
-    """`defaults` updated from `config` (a dict or ConfigDict); unknown keys are an error naming
-    the known ones (a typo in an eval config must not fall back to a default silently)."""
-    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    unknown = set(cfg) - set(defaults)
-    if unknown:
-        raise ValueError(f"{who}: unknown config keys {sorted(unknown)}; known: {sorted(defaults)}")
-    return {**defaults, **cfg}

@@ -25,14 +25,8 @@ general), as the reference's `src/analysis/eval_hcaps.py` does:
 Table 2 reports Prec, R@1, R@1^[ROOT]; which of the reference's two recalls its "R@1" column is
 cannot be read from the paper, so both are yielded (`R@1` and `recall`).
 
-Config keys (defaults in DEFAULTS):
-    dataset     "hierarcaps": csv (hierarcaps_test.csv) + image_dir (COCO val2014/val2017 images);
-                "demo": the demo's "levels" split (4 caption levels per image), demo=dict(...)
-    roots       which [ROOT]s; None: ("null", "inclusion+null") for a probabilistic model,
-                ("null",) for a deterministic one
-    steps 50, score "dot" ("csd": rank captions by q . mu_t - tr(Sigma_t) / 2, the -CSD ranking
-                for a query without variance; the reference uses "dot"), inclusion "one_sided"|"h"
-    name, max_items (0: all), batch_size, image_size, normalization, num_threads, tokenizer
+Config: `Config` (dataset "hierarcaps": csv + image_dir; "demo": the demo's "levels" split;
+roots, steps, score, inclusion, encoding knobs).
 Metrics: hierarcaps/<name>/<root>/{precision, recall, R@1, R@1_root, level{0..3}_recall,
     num_predictions} (<root>: null, inclusion, inclusion_null), and for a probabilistic model
     hierarcaps/<name>/text_sigma2_level{i}_mean and the ordering rates of paper C.6 / Fig. 7
@@ -44,28 +38,56 @@ and traversal_<root> [N, steps] (caption indices; `captions` holds the texts).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
 import os
 import re
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Literal, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from evaluators.common import Encoder, tokenizer_from, uncertainty, with_defaults
+from evaluators.common import Encoder, parse_config, tokenizer_from, uncertainty
 from evaluators.uncertainty import ordering_rates
 from input_pipeline import eval_data
 from input_pipeline.eval_data import EvalSet, Files, Records
 from prolip_jax.losses import inclusion_test, log_inclusion
 
-DEFAULTS: dict[str, Any] = dict(
-    dataset="hierarcaps", csv="", image_dir="", demo={}, name=None, roots=None, steps=50,
-    score="dot", inclusion="one_sided", max_items=0, batch_size=256, image_size=None,
-    normalization="openai", num_threads=8, tokenizer=None,
-)
 ROOTS = ("null", "inclusion", "inclusion+null")
 LEVELS = 4   # caption levels per HierarCaps row, general -> specific
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The HierarCaps evaluator's knobs: config.evals.<name> with type="hierarcaps"."""
+    # "hierarcaps": the test CSV + COCO val images; "demo": the demo's "levels" split (4 levels)
+    dataset: Literal["hierarcaps", "demo"] = "hierarcaps"
+    csv: str = ""                    # hierarcaps: hierarcaps_test.csv (github.com/TAU-VAILab/hierarcaps)
+    image_dir: str = ""              # hierarcaps: COCO val2014 (or val2017) images
+    demo: dict = dataclasses.field(default_factory=dict)  # demo: kwargs of input_pipeline.demo.get_demo
+    name: str | None = None          # in the metric names; None: the data set's ("hierarcaps", "demo")
+    # which [ROOT]s; None: ("null", "inclusion+null") for a probabilistic model, ("null",) else
+    roots: tuple[Literal["null", "inclusion", "inclusion+null"], ...] | None = None
+    steps: int = 50                  # interpolation steps from the start towards the root
+    # "csd": rank captions by q . mu_t - tr(Sigma_t) / 2 (the -CSD ranking for a query without
+    # variance); the reference uses "dot"
+    score: Literal["dot", "csd"] = "dot"
+    inclusion: Literal["one_sided", "h"] = "one_sided"   # eq. 3 one-sided inclusion or H of eq. 4
+    max_items: int = 0               # the first N rows (0: all)
+    batch_size: int = 256            # images per batch, per host
+    image_size: int | None = None    # None: the model's vision.image_size
+    normalization: str = "openai"    # image normalisation of the encoder
+    num_threads: int = 8             # image reading threads per host
+    tokenizer: dict = dataclasses.field(default_factory=dict)  # kwargs of build_tokenizer (kind,
+    #                                  path, ...), when no tokenizer is passed in (not for demo)
+
+    def validate(self) -> None:
+        if self.dataset == "hierarcaps":
+            for key in ("csv", "image_dir"):
+                if not getattr(self, key):
+                    raise ValueError(f"hierarcaps evaluator: dataset='hierarcaps' needs {key!r} "
+                                     "(hierarcaps_test.csv and the COCO val image folder)")
 
 
 # ------------------------------------------------------------------------------ pure functions
@@ -250,24 +272,18 @@ def read_hierarcaps(csv_path: str, image_dir: str, limit: int = 0) -> EvalSet:
                    np.repeat(np.arange(len(paths)), LEVELS), info)
 
 
-def load_data(cfg: Mapping[str, Any]) -> EvalSet:
-    if cfg["dataset"] == "hierarcaps":
-        for key in ("csv", "image_dir"):
-            if not cfg[key]:
-                raise ValueError(f"hierarcaps evaluator: dataset='hierarcaps' needs {key!r} "
-                                 "(hierarcaps_test.csv and the COCO val image folder)")
-        return read_hierarcaps(cfg["csv"], cfg["image_dir"], int(cfg["max_items"]))
-    if cfg["dataset"] == "demo":
-        data = eval_data.demo("levels", cfg["demo"] or {})
-        if data.info["captions_per_record"] != LEVELS:
-            raise ValueError(f"demo levels split has {data.info['captions_per_record']} captions")
-        if cfg["max_items"]:
-            data.records.n = min(int(cfg["max_items"]), data.records.n)
-            keep = data.caption_record < data.records.n
-            data.captions = [c for c, k in zip(data.captions, keep) if k]
-            data.caption_record = data.caption_record[keep]
-        return data
-    raise ValueError(f"hierarcaps evaluator: unknown dataset {cfg['dataset']!r} (hierarcaps | demo)")
+def load_data(cfg: Config) -> EvalSet:
+    if cfg.dataset == "hierarcaps":
+        return read_hierarcaps(cfg.csv, cfg.image_dir, cfg.max_items)
+    data = eval_data.demo("levels", cfg.demo)
+    if data.info["captions_per_record"] != LEVELS:
+        raise ValueError(f"demo levels split has {data.info['captions_per_record']} captions")
+    if cfg.max_items:
+        data.records.n = min(cfg.max_items, data.records.n)
+        keep = data.caption_record < data.records.n
+        data.captions = [c for c, k in zip(data.captions, keep) if k]
+        data.caption_record = data.caption_record[keep]
+    return data
 
 
 # ------------------------------------------------------------------------------ evaluator
@@ -275,23 +291,22 @@ class Evaluator:
     """HierarCaps traversal; config keys and metrics in the module docstring."""
 
     def __init__(self, config: Mapping[str, Any], model: Any, tokenizer: Any = None):
-        self.config = c = with_defaults(config, DEFAULTS, "hierarcaps evaluator")
+        self.config = c = parse_config(Config, config, "hierarcaps")
         self.model = model
-        self.image_size = int(c["image_size"] or model.config.vision.image_size)
+        self.image_size = int(c.image_size or model.config.vision.image_size)
         context = model.config.text.context_length
         self.data = load_data(c)
-        self.name = c["name"] or self.data.name
+        self.name = c.name or self.data.name
         make = self.data.info.get("tokenizer")
         self.tokenizer = tokenizer or (make(context) if make else
-                                       tokenizer_from(c, context, "hierarcaps evaluator"))
-        self.encoder = Encoder(model, int(c["batch_size"]), c["normalization"])
-        caption_bias(None, c["score"])   # validate early
+                                       tokenizer_from(c.tokenizer, context, "hierarcaps evaluator"))
+        self.encoder = Encoder(model, c.batch_size, c.normalization)
         self.arrays: dict[str, np.ndarray] = {}
 
     def encode(self, params: Any, progress: Callable[[int], None] | None = None
                ) -> dict[str, np.ndarray | None]:
         batches = self.data.batches(self.encoder.batch_size * jax.process_count(), self.image_size,
-                                    self.encoder.normalization, int(self.config["num_threads"]))
+                                    self.encoder.normalization, self.config.num_threads)
         img = self.encoder.dataset(params, batches, len(self.data), progress)
         t_mu, t_lv = self.encoder.texts(params, self.tokenizer(self.data.captions), progress)
         null_mu, _ = self.encoder.texts(params, self.tokenizer([""]))
@@ -308,10 +323,7 @@ class Evaluator:
         level 0 first), text_logvar, null_mu [D]} (log sigma^2 None: deterministic)."""
         c = self.config
         probabilistic = enc["image_logvar"] is not None and enc["text_logvar"] is not None
-        roots = tuple(c["roots"] or (("null", "inclusion+null") if probabilistic else ("null",)))
-        bad = [r for r in roots if r not in ROOTS]
-        if bad:
-            raise ValueError(f"hierarcaps evaluator: unknown roots {bad}; known: {ROOTS}")
+        roots = c.roots or (("null", "inclusion+null") if probabilistic else ("null",))
         if not probabilistic and any(r != "null" for r in roots):
             raise ValueError("hierarcaps evaluator: inclusion roots need a probabilistic model "
                              "(log sigma^2); this one is deterministic: use roots=('null',)")
@@ -319,17 +331,17 @@ class Evaluator:
         t_mu = np.asarray(enc["text_mu"], np.float32)
         ids = text_ids(self.data.captions)
         gts = ids.reshape(n, LEVELS)
-        bias = caption_bias(enc["text_logvar"], c["score"])
+        bias = caption_bias(enc["text_logvar"], c.score)
         start = nearest_caption(enc["image_mu"], t_mu, bias)
         self.arrays = {"start": start}
         inclusive = None
         if any(r != "null" for r in roots):
             inclusive = inclusion_root(enc["image_mu"], enc["image_logvar"], t_mu,
-                                       enc["text_logvar"], c["inclusion"])
+                                       enc["text_logvar"], c.inclusion)
         pre = f"hierarcaps/{self.name}"
         for kind in roots:
             root = make_root(kind, enc["null_mu"], None if inclusive is None else t_mu[inclusive], n)
-            preds = traverse(t_mu[start], root, t_mu, int(c["steps"]), bias)
+            preds = traverse(t_mu[start], root, t_mu, c.steps, bias)
             m = traversal_metrics(preds, ids, gts)
             root_hit = traversal_metrics(nearest_caption(root, t_mu, bias)[:, None], ids, gts)
             label = kind.replace("+", "_")

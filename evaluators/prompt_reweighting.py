@@ -30,6 +30,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from prolip_jax import schema
+
 NN_SPEC = "5-1-10-10-0.02-inverse"
 FEWSHOT_SPEC = "2-1-5-20-0.02-inverse"
 PRIORS = ("uniform", "inverse", "inverse_sq", "inverse_5")
@@ -235,7 +237,7 @@ def save_weights(out_dir: str, stem: str, weights: np.ndarray, classnames: Seque
 
 def parse_config(value: Any) -> BPRWConfig:
     """A BPRWConfig from a spec string, 'nn' / 'fewshot' presets, or a dict of its fields
-    (a dict may also hold `spec`)."""
+    (a dict may also hold `spec`; an unknown field is an error naming the nearest one)."""
     if isinstance(value, BPRWConfig):
         return value
     if isinstance(value, str):
@@ -243,7 +245,9 @@ def parse_config(value: Any) -> BPRWConfig:
         spec, gt = presets.get(value, (value, False))
         return BPRWConfig.from_spec(spec, use_gt=gt)
     d = dict(value)
+    where = "a BPRW setting (config.evals.<name>.bprw)"
     if "spec" in d:
-        return BPRWConfig.from_spec(d.pop("spec"), **d)
-    return BPRWConfig(**d)
-
+        spec = d.pop("spec")
+        schema.check_keys(d, schema.fields(BPRWConfig), where)
+        return BPRWConfig.from_spec(spec, **d)
+    return schema.parse(BPRWConfig, d, where)

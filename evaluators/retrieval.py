@@ -24,15 +24,16 @@ class-level positives (CUB) -- evaluators/caption_metrics.py, on the same score 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from evaluators import caption_metrics, retrieval_data
-from evaluators.common import Encoder, blocked_scores, get as _get, tokenizer_from, uncertainty
+from evaluators.common import Encoder, blocked_scores, parse_config, tokenizer_from, uncertainty
 from evaluators.ranks import PAD, full_ranks, num_positives, pad_positives, r_precision_per_query
 from input_pipeline import eval_data
 from input_pipeline.eval_data import EvalSet
@@ -42,6 +43,64 @@ log = logging.getLogger(__name__)
 KS = (1, 5, 10)
 _WARNED: set[tuple[str, str]] = set()   # (data set, direction) without same-modality positives
 _MANY_POSITIVES = 32   # above this many positives per query, rank by one full sort per row
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The retrieval evaluator's knobs: config.evals.<name> with type="retrieval"."""
+    # --- the data (`load_data`; a dataset's required fields are checked when it is read)
+    dataset: Literal["demo", "karpathy", "cub", "tfds", "tar"] = "demo"
+    demo: dict = dataclasses.field(default_factory=dict)  # demo: kwargs of input_pipeline.demo.get_demo
+    karpathy_json: str = ""          # karpathy: dataset_coco.json / dataset_flickr30k.json
+    image_root: str = ""             # karpathy: image_root/filepath/filename (or image_root/filename)
+    split: str = "test"              # karpathy / tfds split; cub: <split_dir or root>/<split>classes.txt
+    captions_per_image: int | None = None   # karpathy: the first k captions; None: 5 for COCO, else all
+    # karpathy: captions_*2014.json path(s) (a sequence or comma-separated) for real COCO caption
+    # ids (ECCV Caption / CxC); "" = none
+    coco_annotations: str | tuple[str, ...] = ()
+    root: str = ""                   # cub: images/ + text_c10/ (as the training source data.source='cub')
+    split_dir: str = ""              # cub: where <split>classes.txt is; "" = root
+    tfds_name: str = "coco_captions"   # tfds: the captions data set
+    data_dir: str = ""               # tfds: its data_dir ("" = tfds' default)
+    path: str | tuple[str, ...] = ""   # tar: shards in the training layout (files, globs, braces)
+    num_images: int = 0              # tar: the first N samples (0 = all)
+    name: str = ""                   # data set name in the metric names; "": demo / coco / flickr30k ...
+    tokenizer: dict = dataclasses.field(default_factory=dict)  # kwargs of build_tokenizer (kind,
+    #                                  path, ...), when no tokenizer is passed in (not for demo)
+    # --- scoring and encoding
+    scores: tuple[Literal["csd", "dot"], ...] = ("csd", "dot")   # -CSD (mu alone for a
+    #                                  deterministic model) and/or mu.mu
+    ks: tuple[int, ...] = KS         # the K of R@K
+    batch_size: int = 256            # images per batch, per host
+    block: int = 1024                # query rows per device block
+    image_size: int | None = None    # None: the model's vision.image_size
+    normalization: str = "openai"    # image normalisation of the encoder
+    num_threads: int = 8             # image reading threads per host
+    # --- protocols
+    num_folds: int | None = None     # the 1K protocol's folds; None: 5 for COCO, else 0
+    fold_size: int = 1000            # images per fold
+    eccv: bool = True                # ECCV Caption + CxC (eccv_caption installed, COCO 5K ids)
+    eccv_topk: int = 50              # ranked list length given to eccv_caption (>= 48 positives)
+    unc_bins: int = 10               # R@1 / mAP@R per query-uncertainty bin, corr, rho (0: off)
+    same_modality: tuple[Literal["i2i", "t2t"], ...] = ("i2i", "t2t")   # image->image, text->text
+    positives: Literal["caption", "class"] = "caption"   # "class": every pair of the same class
+    #                                  (data.info["class_ids"]; CUB's protocol)
+    # --- PMRP (COCO instances_*2014.json path(s), a sequence or comma-separated; needs COCO image
+    # ids) and ASP (TF-IDF semantic score): evaluators/caption_metrics.py
+    instances: str | tuple[str, ...] = ()
+    pmrp_zetas: tuple[int, ...] = caption_metrics.PMRP_ZETAS   # Hamming distances that count as
+    #                                  plausible matches (the metric averages over them)
+    pmrp_unannotated: Literal["drop", "zero"] = "drop"   # images without instances: left out
+    #                                  (PCME's script) | kept with an all-zero vector
+    asp: bool = False                # ASP with the TF-IDF semantic score
+    asp_captions_per_image: int = 5  # P of DAA Eq. 7
+
+    def validate(self) -> None:
+        if not self.ks or min(self.ks) < 1:
+            raise ValueError(f"retrieval evaluator: ks={self.ks}; give K >= 1")
+        if self.block < 1 or self.batch_size < 1:
+            raise ValueError("retrieval evaluator: block and batch_size must be >= 1")
+
 
 
 # =====================================================================================
@@ -239,34 +298,29 @@ def blocked_ranks(q_mu: np.ndarray, q_lv: np.ndarray, g_mu: np.ndarray, g_lv: np
 # Data: evaluators/retrieval_data.py readers, input_pipeline.eval_data demo sets (images read
 # sharded over the hosts, captions known to all).
 # =====================================================================================
-def load_data(config: Mapping[str, Any]) -> EvalSet:
-    c, kind = config, _get(config, "dataset", "demo")
+def load_data(c: Config) -> EvalSet:
+    kind = c.dataset
     if kind == "demo":
-        data = eval_data.demo("retrieval", _get(c, "demo", {}) or {})
+        data = eval_data.demo("retrieval", c.demo)
     elif kind == "karpathy":
         for key in ("karpathy_json", "image_root"):
-            if not _get(c, key):
+            if not getattr(c, key):
                 raise ValueError(f"retrieval evaluator: dataset='karpathy' needs {key!r}")
-        data = retrieval_data.karpathy(_get(c, "karpathy_json"), _get(c, "image_root"),
-                                  _get(c, "split", "test"), _get(c, "captions_per_image"),
-                                  paths(_get(c, "coco_annotations", ())))
+        data = retrieval_data.karpathy(c.karpathy_json, c.image_root, c.split, c.captions_per_image,
+                                       paths(c.coco_annotations))
     elif kind == "cub":
-        if not _get(c, "root"):
+        if not c.root:
             raise ValueError("retrieval evaluator: dataset='cub' needs 'root' (images/ and text_c10/)")
-        data = retrieval_data.cub_captions(_get(c, "root"), _get(c, "split", "test"), _get(c, "split_dir", ""))
+        data = retrieval_data.cub_captions(c.root, c.split, c.split_dir)
     elif kind == "tfds":
-        data = retrieval_data.tfds_captions(_get(c, "tfds_name", "coco_captions"),
-                                       _get(c, "split", "test"), _get(c, "data_dir"))
-    elif kind == "tar":
-        if not _get(c, "path"):
+        data = retrieval_data.tfds_captions(c.tfds_name, c.split, c.data_dir or None)
+    else:
+        if not c.path:
             raise ValueError("retrieval evaluator: dataset='tar' needs 'path' (tar shards: files, "
                              "globs or a brace pattern)")
-        data = retrieval_data.image_text_tars(_get(c, "path"), limit=int(_get(c, "num_images", 0)))
-    else:
-        raise ValueError(f"retrieval evaluator: unknown dataset {kind!r}; "
-                         "use 'demo', 'karpathy', 'cub', 'tfds' or 'tar'")
-    if _get(c, "name"):
-        data.name = _get(c, "name")
+        data = retrieval_data.image_text_tars(c.path, limit=c.num_images)
+    if c.name:
+        data.name = c.name
     return data
 
 
@@ -283,39 +337,7 @@ def paths(value: Any) -> tuple[str, ...]:
 class Evaluator:
     """Retrieval evaluator; `run(params)` yields ("retrieval/<name>/<score>/<metric>", value).
 
-    Config keys:
-      dataset: "demo" | "karpathy" | "cub" | "tfds" | "tar".
-        demo: demo=dict(cache_dir=..., <DemoConfig fields>).
-        karpathy: karpathy_json, image_root, split ("test"), captions_per_image (5 for COCO),
-          coco_annotations (captions_*2014.json paths, optional: real caption ids).
-        cub: root (images/ + text_c10/ as the training source data.source='cub'), split
-          ("test": <split_dir or root>/testclasses.txt), split_dir; use with positives="class".
-        tfds: tfds_name ("coco_captions"), split ("test"), data_dir.
-        tar: path (tar shards in the training layout, <key>.<image> + <key>.txt; one caption
-          per image), num_images (0 = all).
-      tokenizer: dict(kind=..., path=..., **kw) for input_pipeline.tokenizers.build_tokenizer
-        (not for demo, or pass `tokenizer=` to the constructor).
-      name: dataset name in metric names (default demo / coco / flickr30k).
-      scores: ("csd", "dot"); ks: (1, 5, 10); batch_size: 256; block: 1024 (query rows per
-      device block); image_size (the model's); normalization ("openai"); num_threads: 8
-      (image reading threads per host). A deterministic model ("csd" then ranks by mu alone).
-      num_folds: the 1K protocol's folds (5 for COCO, else 0); fold_size: 1000.
-      eccv: True (ECCV Caption + CxC when eccv_caption is importable and the ids are COCO 5K);
-      eccv_topk: 50 (ranked list length given to eccv_caption; >= max #ECCV positives = 48).
-      unc_bins: 10 (0: off) -- per score kind and direction, R@1 and mAP@R in equal-count bins
-        of the query's sigma^2 = sum_d exp(log sigma_d^2) and their correlation with the bin
-        index (the reference's `eval_ret_unc`; probabilistic models only, full set only).
-      same_modality: ("i2i", "t2t") -- image->image and text->text retrieval (positives:
-        `same_modality_positives`; the query is left out of its own gallery). Queries without
-        a positive are skipped; when no query has one, a warning says so and nothing is yielded.
-      positives: "caption" (an image's own captions) | "class" (every pair of the same class,
-        data.info["class_ids"]; CUB's protocol) -- for all cross-modal metrics.
-      instances: COCO instances_*2014.json path(s) (a sequence or comma-separated) -> PMRP
-        (evaluators/caption_metrics.py) on every protocol (5K, 1K); needs COCO image ids. Not
-        set on a COCO set: skipped with one warning. pmrp_zetas: (0, 1, 2);
-        pmrp_unannotated: "drop" (PCME's script) | "zero" (images without instances).
-      asp: False -- ASP with the TF-IDF semantic score (evaluators/caption_metrics.py) on every
-        protocol; asp_captions_per_image: 5 (P of DAA Eq. 7).
+    Config: `Config` (the data set, scores, protocols, PMRP / ASP, encoding knobs).
     Metric names (values in %; rsum is a sum of six %):
       <prefix>/{i2t,t2i}_R@{1,5,10}, rsum, {i2t,t2i}_rprecision, {i2t,t2i}_map_at_r, where
       prefix = retrieval/<name>/<score> (or .../5k and .../1k for COCO);
@@ -332,21 +354,19 @@ class Evaluator:
         {i2i,t2t}_num_queries (those with >= 1 positive), and with unc_bins {i2i,t2t}/unc_bin...
     """
 
-    def __init__(self, config: Mapping[str, Any], model: Any, tokenizer: Any = None, data: EvalSet | None = None):
+    def __init__(self, config: Any, model: Any, tokenizer: Any = None, data: EvalSet | None = None):
         """data: an already opened set (else the config's, loaded on first use)."""
-        self.config, self.model = config, model
+        self.config = c = parse_config(Config, config, "retrieval")
+        self.model = model
         mcfg = model.config
-        self.image_size = int(_get(config, "image_size", mcfg.vision.image_size))
+        self.image_size = int(c.image_size or mcfg.vision.image_size)
         self.context_length = int(mcfg.text.context_length)
-        self.scores = tuple(_get(config, "scores", ("csd", "dot")))
-        self.ks = tuple(int(k) for k in _get(config, "ks", KS))
-        self.block = int(_get(config, "block", 1024))
-        self.positives = _get(config, "positives", "caption")
-        if self.positives not in ("caption", "class"):
-            raise ValueError(f"retrieval evaluator: positives={self.positives!r}; use 'caption' or 'class'")
-        self.threads = int(_get(config, "num_threads", 8))
-        self.encoder = Encoder(model, int(_get(config, "batch_size", 256)),
-                               _get(config, "normalization", "openai"))
+        self.scores = c.scores
+        self.ks = c.ks
+        self.block = c.block
+        self.positives = c.positives
+        self.threads = c.num_threads
+        self.encoder = Encoder(model, c.batch_size, c.normalization)
         self._tokenizer = tokenizer
         self._data = data
         self.last_throughput: dict[str, float] = {}
@@ -361,7 +381,7 @@ class Evaluator:
         if self._tokenizer is None:
             make = self.data().info.get("tokenizer")   # the demo's own
             self._tokenizer = (make(self.context_length) if make else
-                               tokenizer_from(self.config, self.context_length, "retrieval evaluator"))
+                               tokenizer_from(self.config.tokenizer, self.context_length, "retrieval evaluator"))
         return self._tokenizer
 
     def encode(self, params: Any, data: EvalSet, progress: Callable[[int], None] | None = None
@@ -412,15 +432,13 @@ class Evaluator:
                 raise ValueError(f"retrieval/{data.name}: positives='class' needs class ids "
                                  "(dataset='cub')")
             self._class_ids = np.asarray(data.info["class_ids"])
-        files = paths(_get(c, "instances", ()))
+        files = paths(c.instances)
         if files:
             if data.info.get("image_ids") is None:
                 raise ValueError(f"retrieval/{data.name}: PMRP (instances=...) needs COCO image "
                                  "ids (a COCO Karpathy or tfds set)")
             codes, annotated = retrieval_data.coco_category_codes(files, data.info["image_ids"])
-            rule = _get(c, "pmrp_unannotated", "drop")
-            if rule not in ("drop", "zero"):
-                raise ValueError(f"retrieval evaluator: pmrp_unannotated={rule!r}; use 'drop' or 'zero'")
+            rule = c.pmrp_unannotated
             if not annotated.all():
                 log.info("retrieval/%s: %d of %d images have no instance annotation (PMRP: %s)",
                          data.name, int((~annotated).sum()), len(annotated), rule)
@@ -429,11 +447,11 @@ class Evaluator:
             _WARNED.add((data.name, "pmrp"))
             log.warning("retrieval/coco: PMRP skipped: no COCO instances file named "
                         "(config instances=.../instances_val2014.json)")
-        if _get(c, "asp", False):
+        if c.asp:
             vectors = cm.tfidf_vectors(data.captions)
             cap_img = np.asarray(data.caption_record, np.int64)
             gt = cm.ground_truth_mean(vectors, cap_img, len(data),
-                                      int(_get(c, "asp_captions_per_image", 5)))
+                                      c.asp_captions_per_image)
             self._tfidf = (vectors, gt)
         self._prepared_for = data
 
@@ -445,7 +463,7 @@ class Evaluator:
         done: list[tuple[str, Any]] = []
         if getattr(self, "_codes", None) is not None:
             codes, keep = self._codes
-            zetas = tuple(_get(self.config, "pmrp_zetas", cm.PMRP_ZETAS))
+            zetas = self.config.pmrp_zetas
             ic, ik = codes[images], keep[images]
             tc, tk = ic[cap_img], ik[cap_img]
             for d, acc in (("i2t", cm.PMRP(ic, tc, zetas, ik, tk)), ("t2i", cm.PMRP(tc, ic, zetas, tk, ik))):
@@ -468,16 +486,13 @@ class Evaluator:
                            kind: str, ranks: tuple[np.ndarray, np.ndarray]
                            ) -> Iterator[tuple[str, float]]:
         """Recall per query-uncertainty bin (cross-modal and same-modality) and i2i / t2t."""
-        bins = int(_get(self.config, "unc_bins", 10))
+        bins = self.config.unc_bins
         probabilistic = i_lv is not None and t_lv is not None
         if bins and probabilistic:
             for d, r, lv in (("i2t", ranks[0], i_lv), ("t2i", ranks[1], t_lv)):
                 for k, v in binned_ranking(r, uncertainty(lv), bins).items():
                     yield f"{d}/{k}", v
-        wanted = tuple(_get(self.config, "same_modality", ("i2i", "t2t")))
-        unknown = set(wanted) - {"i2i", "t2t"}
-        if unknown:
-            raise ValueError(f"retrieval evaluator: same_modality {sorted(unknown)}; use i2i, t2t")
+        wanted = self.config.same_modality
         if not wanted:
             return
         positives = same_modality_positives(cap_img, data.captions)
@@ -508,7 +523,7 @@ class Evaluator:
     def _fold_bins(self, fold_ranks: list, i_lv, t_lv) -> Iterator[tuple[str, float]]:
         """Recall per query-uncertainty bin over the queries of all folds, each ranked within
         its fold (COCO 1K R@1 per bin: PCME++ seed 003 Fig. 3, rho of Table C.5)."""
-        bins = int(_get(self.config, "unc_bins", 10))
+        bins = self.config.unc_bins
         if not bins or i_lv is None or t_lv is None:
             return
         for d, j, lv in (("i2t", 0, i_lv), ("t2i", 1, t_lv)):
@@ -521,8 +536,8 @@ class Evaluator:
 
     def _eccv_ready(self, data: EvalSet) -> Any:
         image_ids, caption_ids = data.info.get("image_ids"), data.info.get("caption_ids")
-        if not _get(self.config, "eccv", True) or image_ids is None or caption_ids is None:
-            if (_get(self.config, "eccv", True) and data.name == "coco"
+        if not self.config.eccv or image_ids is None or caption_ids is None:
+            if (self.config.eccv and data.name == "coco"
                     and (data.name, "eccv") not in _WARNED):
                 _WARNED.add((data.name, "eccv"))
                 log.warning("retrieval/coco: ECCV Caption / CxC skipped: no COCO caption ids "
@@ -550,10 +565,10 @@ class Evaluator:
         i_mu, i_lv, t_mu, t_lv = self.encode(params, data, progress)
         cap_img = np.asarray(data.caption_record, np.int64)
         is_coco = data.name == "coco"
-        folds = int(_get(self.config, "num_folds", 5 if is_coco else 0))
-        fold_size = int(_get(self.config, "fold_size", 1000))
+        folds = (5 if is_coco else 0) if self.config.num_folds is None else self.config.num_folds
+        fold_size = self.config.fold_size
         eccv = self._eccv_ready(data)
-        topk = int(_get(self.config, "eccv_topk", 50)) if eccv is not None else 0
+        topk = self.config.eccv_topk if eccv is not None else 0
         for kind in self.scores:
             prefix = f"retrieval/{data.name}/{kind}"
             full, (i2t_top, t2i_top), ranks = self._protocol(i_mu, i_lv, t_mu, t_lv, cap_img,

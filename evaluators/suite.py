@@ -24,14 +24,13 @@ model. Main metrics (DataComp tasklist `main_metric`, default acc1), all fractio
 acc1, mean_per_class_recall, f1_macro, worst_group_acc, worst_group_top5 (WILDS / fairness
 metadata from the webdataset's .npy), mean_recall@1 (retrieval: (i2t R@1 + t2i R@1) / 2).
 
-Config keys: data_dir (required), tfds_data_dir (""), tasks (ids; default all 38), split
-("test"), score ("csd" | "dot"), batch_size (256), num_threads (8), normalization ("openai"),
-image_size (the model's), tokenizer (dict(kind, path), if none is passed in).
+Config: `Config` (data_dir required; tasks, split, score, encoding knobs, tokenizer).
 Metrics: suite/<task>/<metric>, suite/<group>/average, suite/average, suite/num_tasks.
 `rows` holds the table of the last run; `write_tables(rows, out)` writes suite.json + suite.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -39,18 +38,38 @@ import re
 import sys
 import tarfile
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import jax
 import numpy as np
 
 from evaluators import common, retrieval, retrieval_data, zeroshot as zs
-from evaluators.common import get as _get
 from input_pipeline import eval_data
 from input_pipeline.eval_data import EvalSet, Records, TarImages
 
 DATA_DIR = Path(__file__).parent / "data"
 GROUPS = ("imagenet", "dist_shift", "vtab", "retrieval", "other")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The suite's knobs: config.evals.<name> with type="datacomp38"."""
+    data_dir: str = ""               # required: the folder holding the tasks' data (module doc)
+    tfds_data_dir: str = ""          # tfds data_dir, an optional source ("" = not looked for)
+    tasks: tuple[str, ...] = ()      # task ids of datacomp38.json; () = all 38
+    split: str = "test"              # the split folder of wds / imagefolder sources
+    score: Literal["csd", "dot"] = "csd"   # -CSD (the paper's protocol) or mu.mu; a deterministic
+    #                                  model is scored by mu.mu whatever this says
+    image_size: int | None = None    # None: the model's vision.image_size
+    batch_size: int = 256            # images per batch, per host
+    num_threads: int = 8             # image reading threads per host
+    normalization: str = "openai"    # image normalisation of the encoder
+    tokenizer: dict = dataclasses.field(default_factory=dict)  # kwargs of build_tokenizer (kind,
+    #                                  path, ...), when no tokenizer is passed in
+
+    def validate(self) -> None:
+        if not self.data_dir:
+            raise ValueError("the datacomp38 suite needs config.data_dir")
 
 
 class Skip(Exception):
@@ -318,20 +337,18 @@ class Evaluator:
     """DataComp 38-task suite (see the module docstring); registered as "datacomp38"."""
 
     def __init__(self, config: Any, model: Any, tokenizer: Callable | None = None):
-        self.config, self.model = config, model
-        self.data_dir = str(_get(config, "data_dir", ""))
-        if not self.data_dir:
-            raise ValueError("the datacomp38 suite needs config.data_dir")
-        self.tasks = load_tasks(_get(config, "tasks", None))
-        self.split = _get(config, "split", "test")
-        self.tfds_data_dir = str(_get(config, "tfds_data_dir", ""))
-        self.score = _get(config, "score", "csd")
-        self.image_size = int(_get(config, "image_size", model.config.vision.image_size))
-        self.threads = int(_get(config, "num_threads", 8))
-        self.encoder = common.Encoder(model, int(_get(config, "batch_size", 256)),
-                                      _get(config, "normalization", "openai"))
+        self.config = c = common.parse_config(Config, config, "datacomp38")
+        self.model = model
+        self.data_dir = c.data_dir
+        self.tasks = load_tasks(c.tasks)
+        self.split = c.split
+        self.tfds_data_dir = c.tfds_data_dir
+        self.score = c.score
+        self.image_size = int(c.image_size or model.config.vision.image_size)
+        self.threads = c.num_threads
+        self.encoder = common.Encoder(model, c.batch_size, c.normalization)
         self.tokenizer = tokenizer or common.tokenizer_from(
-            config, model.config.text.context_length, "datacomp38 suite")
+            c.tokenizer, model.config.text.context_length, "datacomp38 suite")
         self.rows: list[dict] = []
 
     def run(self, params: Any, progress: Callable[[int], None] | None = None

@@ -29,38 +29,58 @@ ordered" / "not included" (strict inequalities, as eq. C.1).
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Literal, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from evaluators.common import Encoder, uncertainty, with_defaults
+from evaluators.common import Encoder, parse_config, uncertainty
 from input_pipeline import eval_data
 from input_pipeline.eval_data import EvalSet
 from prolip_jax.losses import inclusion_test
 from prolip_jax.models.prolip import ProLIP, mask_text_tokens, random_keep_indices
 
-DEFAULTS: dict[str, Any] = dict(
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The uncertainty evaluator's knobs: config.evals.<name> with type="uncertainty"."""
     # dataset "demo": input_pipeline.demo, `demo` = kwargs of get_demo (cache_dir, DemoConfig
     # fields, as the zeroshot/retrieval evaluators), `split` ("levels": 4 caption levels);
     # dataset "npz": the file `path` with "image" [N, S, S, 3] (float32 normalised or uint8) and
     # "text" int tokens [N, L] or [N, K, L].
-    dataset="demo", demo={}, split="levels", path="",
-    name=None,              # in the metric names; None: "demo" or the npz file's stem
-    levels=None,            # caption axis K is a hierarchy; None: True for the demo "levels" split
-    pair_level=-1,          # which caption an image is paired with for image-in-text (-1: most specific)
-    image_size=None,        # None: the model's vision.image_size
-    context_length=None,    # None: the model's text.context_length
-    batch_size=256, normalization="openai", max_items=0,  # 0: all items
-    num_threads=8,          # image reading threads per host
-    image_keep_ratio=0.75, text_mask_prob=0.75,
-    mask_token_id=None,     # None: the tokenizer's mask_id (the demo's 2; the reference's 32000)
-    protected_ids=None,     # None: (pad_id, eos_id) of the tokenizer, else (1,) as the reference
-    pad_id=None,            # None: the tokenizer's pad_id, else 1 (SigLIP vocab: pad = eos = 1)
-    inclusion_eps=0.0, seed=0,
-)
+    dataset: Literal["demo", "npz"] = "demo"
+    demo: dict = dataclasses.field(default_factory=dict)
+    split: str = "levels"
+    path: str = ""
+    name: str | None = None          # in the metric names; None: "demo" or the npz file's stem
+    levels: bool | None = None       # caption axis K is a hierarchy; None: True for the demo "levels" split
+    pair_level: int = -1             # which caption an image is paired with for image-in-text (-1: most specific)
+    image_size: int | None = None    # None: the model's vision.image_size
+    context_length: int | None = None   # None: the model's text.context_length
+    batch_size: int = 256            # items per batch, per host
+    normalization: str = "openai"    # image normalisation of the encoder
+    max_items: int = 0               # the first N items (0: all)
+    num_threads: int = 8             # image reading threads per host
+    image_keep_ratio: float = 0.75   # masked images keep this fraction of patches
+    text_mask_prob: float = 0.75     # masked texts: each maskable token replaced with this probability
+    # the [MASK] id of masked texts: the same id as the trainer's `masking.mask_token_id`, which
+    # the checkpoint's tokenizer record carries; None: the tokenizer's recorded mask_id (the
+    # demo's 2; the reference's 32000)
+    mask_token_id: int | None = None
+    protected_ids: tuple[int, ...] | None = None   # never masked; None: (pad_id, eos_id) of the
+    #                                  tokenizer, else (1,) as the reference
+    pad_id: int | None = None        # None: the tokenizer's pad_id, else 1 (SigLIP vocab: pad = eos = 1)
+    inclusion_eps: float = 0.0       # eps of H(Z1 in Z2) (eq. 4)
+    seed: int = 0                    # seeds the image keep subsets and the text masks
+
+    def validate(self) -> None:
+        if self.dataset == "npz" and not self.path:
+            raise ValueError("uncertainty evaluator: dataset='npz' needs config.path")
+        if not 0.0 < self.image_keep_ratio <= 1.0:
+            raise ValueError(f"uncertainty evaluator: image_keep_ratio={self.image_keep_ratio} "
+                             "is not in (0, 1]")
 
 
 # ------------------------------------------------------------------------------ metrics
@@ -143,23 +163,21 @@ def summarize(arrays: Mapping[str, np.ndarray], levels: bool) -> dict[str, float
 
 
 # ------------------------------------------------------------------------------ data
-def load_data(cfg: Mapping[str, Any], context_length: int
+def load_data(cfg: Config, context_length: int
               ) -> tuple[EvalSet | np.ndarray, np.ndarray, Any, bool]:
     """-> images (an eval set read through the input pipeline, or an in-memory array [N, S, S, 3]),
     tokens int32 [N, K, L], tokenizer (or None), auto levels flag."""
     tokenizer = None
-    if cfg["dataset"] == "demo":
-        images = eval_data.demo(cfg["split"], cfg["demo"] or {})
+    if cfg.dataset == "demo":
+        images = eval_data.demo(cfg.split, cfg.demo)
         tokenizer = images.info["tokenizer"](context_length)
         k = images.info["captions_per_record"]
         tokens = tokenizer(images.captions).reshape(len(images), k, -1)
-        auto_levels = cfg["split"] == "levels"
-    elif cfg["dataset"] == "npz":
-        with np.load(cfg["path"]) as z:
+        auto_levels = cfg.split == "levels"
+    else:
+        with np.load(cfg.path) as z:
             images, tokens = z["image"], z["text"]
         auto_levels = False
-    else:
-        raise ValueError(f"uncertainty evaluator: unknown dataset {cfg['dataset']!r} (demo | npz)")
     tokens = np.asarray(tokens, np.int32)
     if tokens.ndim == 2:
         tokens = tokens[:, None]
@@ -170,7 +188,7 @@ def load_data(cfg: Mapping[str, Any], context_length: int
 
 # ------------------------------------------------------------------------------ evaluator
 class Evaluator:
-    """Uncertainty analyses; `config` keys and defaults in `DEFAULTS`, metrics in the module doc.
+    """Uncertainty analyses; `config`: `Config` (knobs and defaults), metrics in the module doc.
 
     model: a `ProLIP` module (`prolip_jax.load(...).module` or the trainer's). tokenizer: only
     read for its `pad_id` / `eos_id` / `mask_id` when the config does not set them (the demo
@@ -178,31 +196,31 @@ class Evaluator:
     """
 
     def __init__(self, config: Mapping[str, Any], model: ProLIP, tokenizer: Any = None):
-        self.config = with_defaults(config, DEFAULTS, "uncertainty evaluator")
+        self.config = c = parse_config(Config, config, "uncertainty")
         self.model = model
-        c = self.config
         mc = model.config
-        self.image_size = int(c["image_size"] or mc.vision.image_size)
-        self.context_length = int(c["context_length"] or mc.text.context_length)
+        self.image_size = int(c.image_size or mc.vision.image_size)
+        self.context_length = int(c.context_length or mc.text.context_length)
         # Captions are tokenised once (an analysis subset is small); images are read per run.
         self.images, self.tokens, data_tokenizer, auto_levels = load_data(c, self.context_length)
         tokenizer = tokenizer or data_tokenizer
-        if c["max_items"]:
-            self.tokens = self.tokens[:c["max_items"]]
+        if c.max_items:
+            self.tokens = self.tokens[:c.max_items]
             if isinstance(self.images, EvalSet):
-                self.images.records.n = min(c["max_items"], self.images.records.n)
+                self.images.records.n = min(c.max_items, self.images.records.n)
             else:
-                self.images = self.images[:c["max_items"]]
-        self.levels = bool(auto_levels if c["levels"] is None else c["levels"]) and self.tokens.shape[1] > 1
-        self.pad_id = _first(c["pad_id"], getattr(tokenizer, "pad_id", None), 1)
-        self.mask_id = _first(c["mask_token_id"], getattr(tokenizer, "mask_id", None))
+                self.images = self.images[:c.max_items]
+        self.levels = bool(auto_levels if c.levels is None else c.levels) and self.tokens.shape[1] > 1
+        self.pad_id = _first(c.pad_id, getattr(tokenizer, "pad_id", None), 1)
+        # None: the mask id the tokenizer records (the trainer's masking.mask_token_id)
+        self.mask_id = _first(c.mask_token_id, getattr(tokenizer, "mask_id", None))
         if self.mask_id is None:
             raise ValueError("uncertainty evaluator: set mask_token_id (the tokenizer has no mask_id)")
         default_protected = tuple(sorted({getattr(tokenizer, a) for a in ("pad_id", "eos_id")
                                           if getattr(tokenizer, a, None) is not None})) or (1,)
-        self.protected_ids = tuple(c["protected_ids"] or default_protected)
-        self.name = c["name"] or ("demo" if c["dataset"] == "demo" else Path(c["path"]).stem)
-        self.encoder = Encoder(model, c["batch_size"], c["normalization"])
+        self.protected_ids = tuple(c.protected_ids or default_protected)
+        self.name = c.name or ("demo" if c.dataset == "demo" else Path(c.path).stem)
+        self.encoder = Encoder(model, c.batch_size, c.normalization)
         self.images_per_second = 0.0
 
     def _encode_images(self, params: Any, progress: Callable[[int], None] | None,
@@ -211,8 +229,8 @@ class Evaluator:
             mu, lv = self.encoder.images(params, self.images, progress, keep_idx)
         else:
             batches = self.images.batches(self.encoder.batch_size * jax.process_count(),
-                                          self.image_size, self.config["normalization"],
-                                          self.config["num_threads"])
+                                          self.image_size, self.config.normalization,
+                                          self.config.num_threads)
             out = self.encoder.dataset(params, batches, len(self.images), progress, keep_idx)
             mu, lv = out["mu"], out.get("logvar")
         if lv is None:
@@ -235,7 +253,7 @@ class Evaluator:
         c = self.config
         n, k, length = self.tokens.shape
         flat = self.tokens.reshape(n * k, length)
-        key_img, key_txt = jax.random.split(jax.random.key(c["seed"]))
+        key_img, key_txt = jax.random.split(jax.random.key(c.seed))
 
         img_mu, img_lv = self._encode_images(params, progress)
         self.images_per_second = self.encoder.last_throughput
@@ -243,21 +261,21 @@ class Evaluator:
 
         # Masked views (REFERENCE §2.6): a random keep subset per image, tokens replaced at p.
         keep = np.asarray(_keep_indices(key_img, self.model.config.vision.num_patches,
-                                        c["image_keep_ratio"], n))
+                                        c.image_keep_ratio, n))
         m_img_mu, m_img_lv = self._encode_images(params, progress, keep)
-        masked_tokens = np.asarray(_mask_tokens(key_txt, flat, self.mask_id, c["text_mask_prob"],
+        masked_tokens = np.asarray(_mask_tokens(key_txt, flat, self.mask_id, c.text_mask_prob,
                                                 self.protected_ids))
         m_txt_mu, m_txt_lv = self.encoder.texts(params, masked_tokens, progress)
 
-        eps = c["inclusion_eps"]
-        pair = np.arange(n) * k + (c["pair_level"] % k)  # row of each image's own caption in `flat`
+        eps = c.inclusion_eps
+        pair = np.arange(n) * k + (c.pair_level % k)  # row of each image's own caption in `flat`
         text_sigma2 = uncertainty(txt_lv).reshape(n, k)
         return {
             "image_sigma2": uncertainty(img_lv),
             "image_masked_sigma2": uncertainty(m_img_lv),
             "text_sigma2": text_sigma2,
             "text_masked_sigma2": uncertainty(m_txt_lv).reshape(n, k),
-            "paired_text_sigma2": text_sigma2[:, c["pair_level"] % k],
+            "paired_text_sigma2": text_sigma2[:, c.pair_level % k],
             "text_length": (self.tokens != self.pad_id).sum(-1),
             "h_image_in_masked": inclusion_scores(img_mu, img_lv, m_img_mu, m_img_lv, eps),
             "h_text_in_masked": inclusion_scores(txt_mu, txt_lv, m_txt_mu, m_txt_lv, eps).reshape(n, k),

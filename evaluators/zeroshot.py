@@ -9,34 +9,8 @@ Also the top-1 accuracy in 10 equal-count bins of image uncertainty sum_d sigma2
 correlation with the bin index (REFERENCE §3.1 `eval_clsf_unc`), and optionally BPRW
 (evaluators/prompt_reweighting.py).
 
-Config keys (dict or ml_collections.ConfigDict):
-    dataset        "demo" | "imagefolder" | "tfds"                               (default "demo")
-    name           task name in the metric names (default: the demo task; imagefolder: the
-                   root folder's name, "imagenet" for the ImageNet folders; else "imagenet")
-    classnames, templates   lists, or paths to a JSON list / text file (one per line); default:
-                   the demo task's, else the shipped 1,000 ImageNet names / 80 OpenAI templates.
-                   imagefolder: classnames default to the folder names ("_" -> " ") and are
-                   checked against the folders (`imagefolder_classnames`: a list in another
-                   order than the sorted folders, or naming other classes, is an error unless
-                   class_index gives the order); a {folder: name} mapping (or JSON object file)
-                   works too. ImageNet's 1,000 names only for the ImageNet folders or tfds.
-    demo           kwargs of input_pipeline.demo.get_demo (cache_dir, image_size, num_zeroshot...)
-    task           demo task: "object" (36 colour x shape classes) or "shape"    (default "object")
-    root, split    imagefolder: <root>/<split>/<class_dir>/*.JPEG                  (split "val")
-    class_index    imagefolder: JSON {class_dir: index} | JSON [class_dir, ...] | Keras-style
-                   JSON {"0": [class_dir, name]} | text file, one class_dir per line;
-                   default: sorted class dirs (the torchvision convention)
-    tfds_split, data_dir    tfds: tfds.data_source("imagenet2012", ...)   (split "validation")
-    num_images     use only the first N images (0 = all)
-    image_size     default: the model's; normalization "openai"; batch_size 256; num_threads 8
-    tokenizer      kwargs of input_pipeline.tokenizers.build_tokenizer, if none is passed in
-    bprw           None, or a list of BPRW settings ("nn", "fewshot", a spec string
-                   'alpha-multiplier-NN-K-stable_eps-prior', or a dict); bprw_seed (0);
-                   bprw_exclude_support (False): few-shot accuracies without the support images
-    out_dir        where BPRW weights are written (bprw_<name>_<mode>.npy / .json); "" = nowhere
-    prompt_select  None, or a list of uncertainty-based prompt selections (paper Table 3 "filtering
-                   by sigma stats" / "top-K prompts"; evaluators/prompt_selection.py), e.g.
-                   [dict(kind="sigma_filter", coeff=0.0), dict(kind="topk", k=10)] or "topk:10"
+Config: the fields of `Config` below (dataset "demo" | "imagefolder" | "tfds", class names and
+templates, BPRW and prompt-selection settings, encoding knobs).
 Metrics (all accuracies are fractions in [0, 1]):
     zeroshot/<name>/top1_dot, top5_dot, top1_csd, top5_csd
     zeroshot/<name>/unc_bin{0..9}_top1_dot, unc_bin{i}_top1_csd   (bin 0 = least uncertain)
@@ -54,17 +28,80 @@ Images are read through input_pipeline.eval_data (sharded over the hosts); label
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
+import jax
 import numpy as np
 
 from evaluators import common, prompt_reweighting, prompt_selection
-from evaluators.common import get as _get
 from input_pipeline import eval_data
 from input_pipeline.caption_files import read_list as _read_list
 
 DATA_DIR = Path(__file__).parent / "data"
+
+Settings = str | dict | tuple[str | dict, ...]   # one setting, or several
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The zero-shot evaluator's knobs: config.evals.<name> with type="zeroshot" (or
+    "prompt_reweighting", which sets bprw_only and defaults bprw to ("nn", "fewshot"))."""
+    # --- the image set
+    dataset: Literal["demo", "imagefolder", "tfds"] = "demo"   # which reader (`eval_set`)
+    demo: dict = dataclasses.field(default_factory=dict)  # demo: kwargs of input_pipeline.demo.get_demo
+    task: str = "object"             # demo task: "object" (36 colour x shape classes) or "shape"
+    root: str = ""                   # imagefolder: images at <root>/<split>/<class_dir>/*.JPEG
+    split: str = "val"               # imagefolder: the split folder
+    # imagefolder: label order, JSON {class_dir: index} | JSON [class_dir, ...] | Keras-style JSON
+    # {"0": [class_dir, name]} | text file, one class_dir per line | a mapping or list; "" = the
+    # sorted class dirs (the torchvision convention)
+    class_index: str | tuple[str, ...] | dict = ""
+    tfds_split: str = "validation"   # tfds: tfds.data_source("imagenet2012", split)
+    data_dir: str = ""               # tfds: its data_dir ("" = tfds' default)
+    num_images: int = 0              # use only the first N images (0 = all)
+    # --- classes and prompts
+    name: str | None = None          # task name in the metric names; None: the demo task, the
+    #                                  ImageFolder root's name ("imagenet" for ImageNet), else "imagenet"
+    # lists, or paths to a JSON list / text file (one per line); None or empty: the demo task's,
+    # else the 1,000 ImageNet names / 80 OpenAI templates. imagefolder: class names default to the
+    # folder names ("_" -> " ") and are checked against the folders (`imagefolder_classnames`); a
+    # {folder: name} mapping (or JSON object file) works too
+    classnames: str | tuple[str, ...] | dict | None = None
+    templates: str | tuple[str, ...] | None = None
+    tokenizer: dict = dataclasses.field(default_factory=dict)  # kwargs of build_tokenizer (kind,
+    #                                  path, ...), used when no tokenizer is passed in
+    # --- encoding
+    image_size: int | None = None    # None: the model's vision.image_size
+    normalization: str = "openai"    # image normalisation of the encoder
+    batch_size: int = 256            # images per batch, per host
+    num_threads: int = 8             # image reading threads per host
+    # --- BPRW (evaluators/prompt_reweighting.py) and prompt selection (prompt_selection.py)
+    # BPRW settings: "nn", "fewshot", a spec 'alpha-multiplier-NN-K-stable_eps-prior' or a dict of
+    # BPRWConfig fields (+ spec); None: off (("nn", "fewshot") for type="prompt_reweighting")
+    bprw: Settings | None = None
+    bprw_seed: int = 0               # seeds the few-shot picks and the EM samples
+    bprw_exclude_support: bool = False   # few-shot accuracies without the support images
+    bprw_only: bool = False          # yield only the bprw/... metrics (type="prompt_reweighting")
+    out_dir: str = ""                # where BPRW weights go (bprw_<name>_<mode>.npy/.json); "" = nowhere
+    # uncertainty-based prompt selections (paper Table 3), e.g. [dict(kind="sigma_filter",
+    # coeff=0.0), dict(kind="topk", k=10)] or "topk:10"; () = none
+    prompt_select: Settings = ()
+
+    def validate(self) -> None:
+        if self.dataset == "imagefolder" and not self.root:
+            raise ValueError("zero-shot evaluator: dataset='imagefolder' needs config.root")
+        for setting in _settings(self.bprw or ()):
+            prompt_reweighting.parse_config(setting)   # a bad setting fails before any encoding
+        for setting in _settings(self.prompt_select):
+            prompt_selection.parse(setting)
+
+
+def _settings(value: Settings) -> list:
+    """One setting (a string or a dict) or several -> a list of settings."""
+    return [value] if isinstance(value, (str, dict)) else list(value)
 
 
 def imagenet_classnames() -> list[str]:
@@ -191,29 +228,22 @@ def ranks(image_mu: np.ndarray, labels: np.ndarray, class_mu: np.ndarray,
 
 
 # ----------------------------------------------------------------------------- data
-def eval_set(config: Any) -> eval_data.EvalSet:
+def eval_set(config: Config) -> eval_data.EvalSet:
     """The image set of a zero-shot config (labels ride in the eval batches)."""
-    kind, limit = _get(config, "dataset", "demo"), int(_get(config, "num_images", 0))
+    kind, limit = config.dataset, config.num_images
     if kind == "demo":
-        es = eval_data.demo("zeroshot", _get(config, "demo", {}), _get(config, "task", "object"))
+        es = eval_data.demo("zeroshot", config.demo, config.task)
         if limit:
             es.records.n = min(limit, es.records.n)
         return es
     if kind == "imagefolder":
-        if not _get(config, "root", ""):
-            raise ValueError("dataset='imagefolder' needs config.root")
-        return eval_data.imagefolder(_get(config, "root"), _get(config, "split", "val"),
-                                     _get(config, "class_index", ""), limit=limit)
-    if kind == "tfds":
-        return eval_data.tfds_classification("imagenet2012", _get(config, "tfds_split", "validation"),
-                                             _get(config, "data_dir", "") or None, limit=limit)
-    raise ValueError(f"unknown zero-shot dataset {kind!r}; use demo | imagefolder | tfds")
+        return eval_data.imagefolder(config.root, config.split, config.class_index, limit=limit)
+    return eval_data.tfds_classification("imagenet2012", config.tfds_split, config.data_dir or None,
+                                         limit=limit)
 
 
 def imagenet_wnids() -> list[str]:
     """The 1,000 ImageNet-1k wnids, sorted (= the class-index order of imagenet_classnames)."""
-    import json
-
     with open(DATA_DIR / "imagenet_wnids.json") as f:
         return list(json.load(f)["imagenet1k"])
 
@@ -230,8 +260,6 @@ def _short(names: Sequence[str], n: int = 8) -> str:
 def _given_classnames(value: Any) -> list[str] | dict[str, str] | None:
     """config.classnames as given: None (empty), a list, or a {class_dir: name} mapping (a
     mapping, or a path to a JSON object file; a path to a JSON list / text file is a list)."""
-    import json
-
     if value is None or (isinstance(value, (str, list, tuple)) and len(value) == 0):
         return None
     if hasattr(value, "items"):
@@ -322,51 +350,49 @@ def imagefolder_classnames(info: dict[str, Any], classnames: Any) -> list[str]:
 
 # ----------------------------------------------------------------------------- the evaluator
 class Evaluator:
-    """Zero-shot classification of one image set (see the module docstring for config keys)."""
+    """Zero-shot classification of one image set (`Config`; metrics in the module docstring)."""
+    KIND = "zeroshot"
 
     def __init__(self, config: Any, model: Any, tokenizer: Callable[[Sequence[str]], np.ndarray] | None = None):
-        self.config = config
+        self.config = c = self.parse(config)
         self.model = model
-        self.image_size = int(_get(config, "image_size", model.config.vision.image_size))
-        self.data = eval_set(config)
+        self.image_size = int(c.image_size or model.config.vision.image_size)
+        self.data = eval_set(c)
         info = self.data.info
         if "class_dirs" in info:   # an ImageFolder: names checked against the folders
-            self.classnames = imagefolder_classnames(info, _get(config, "classnames"))
+            self.classnames = imagefolder_classnames(info, c.classnames)
             default_name = ("imagenet" if set(info["class_dirs"]) == set(imagenet_wnids())
-                            else Path(_get(config, "root")).name or "imagefolder")
+                            else Path(c.root).name or "imagefolder")
         else:
-            self.classnames = resolve_list(_get(config, "classnames"),
+            self.classnames = resolve_list(c.classnames,
                                            (lambda: list(info["classnames"])) if "classnames" in info
                                            else imagenet_classnames, "class names")
             default_name = info.get("task", "imagenet")
-        self.name = _get(config, "name", default_name)
-        self.templates = resolve_list(_get(config, "templates"),
+        self.name = default_name if c.name is None else c.name
+        self.templates = resolve_list(c.templates,
                                       (lambda: list(info["templates"])) if "templates" in info
                                       else openai_imagenet_templates, "templates")
         context = model.config.text.context_length
         if tokenizer is None:
             tokenizer = (info["tokenizer"](context) if "tokenizer" in info
-                         else common.tokenizer_from(config, context, "zero-shot evaluator"))
+                         else common.tokenizer_from(c.tokenizer, context, "zero-shot evaluator"))
         self.tokenizer = tokenizer
-        self.threads = int(_get(config, "num_threads", 8))
-        self.encoder = common.Encoder(model, int(_get(config, "batch_size", 256)),
-                                      _get(config, "normalization", "openai"))
-        bprw = _get(config, "bprw", ())
-        self.bprw = [bprw] if isinstance(bprw, str) or hasattr(bprw, "keys") else list(bprw)
-        self.bprw_only = bool(_get(config, "bprw_only", False))
-        self.out_dir = _get(config, "out_dir", "")
-        select = _get(config, "prompt_select", ())
-        self.prompt_select = ([select] if isinstance(select, str) or hasattr(select, "keys")
-                              else list(select))
-        for setting in self.prompt_select:
-            prompt_selection.parse(setting)   # a bad setting fails before any encoding
+        self.threads = c.num_threads
+        self.encoder = common.Encoder(model, c.batch_size, c.normalization)
+        self.bprw = _settings(c.bprw or ())
+        self.bprw_only = c.bprw_only
+        self.out_dir = c.out_dir
+        self.prompt_select = _settings(c.prompt_select)
+
+    @classmethod
+    def parse(cls, config: Any) -> Config:
+        """The typed `Config` of a config.evals section (a dict or ConfigDict)."""
+        return common.parse_config(Config, config, cls.KIND)
 
     def encode(self, params: Any, progress: Callable[[int], None] | None = None
                ) -> dict[str, np.ndarray]:
         """{"text_mu", "text_logvar" [C*T, D], "image_mu", "image_logvar" [N, D], "label" [N]}
         (the log sigma^2 are None for a deterministic model)."""
-        import jax
-
         tokens = common.tokenize_checked(self.tokenizer, prompts(self.classnames, self.templates),
                                          f"zero-shot {self.name} prompts")
         text_mu, text_lv = self.encoder.texts(params, tokens)
@@ -444,10 +470,10 @@ class Evaluator:
         img_mu, labels = enc["image_mu"], enc["label"]
         weights, info = prompt_reweighting.bprw_weights(
             text_mu, text_s2, img_mu, enc["image_logvar"], cfg, labels=labels,
-            seed=int(_get(self.config, "bprw_seed", 0)))
+            seed=self.config.bprw_seed)
         new_mu, new_s2 = prompt_reweighting.reweighted_classifier(weights, text_mu, text_s2)
         pre = f"bprw/{self.name}/{mode}"
-        if cfg.use_gt and _get(self.config, "bprw_exclude_support", False):
+        if cfg.use_gt and self.config.bprw_exclude_support:
             # score only images that were not used as few-shot examples (the reference scores
             # the whole set, support images included)
             keep = np.ones(len(labels), bool)
@@ -465,11 +491,12 @@ class Evaluator:
 
 
 class BPRWEvaluator(Evaluator):
-    """The zero-shot evaluator with BPRW on (same config keys; `bprw` defaults to
+    """The zero-shot evaluator with BPRW on (the same `Config`; `bprw` defaults to
     ("nn", "fewshot")); `run(params)` yields only the `bprw/...` metrics."""
+    KIND = "prompt_reweighting"
 
-    def __init__(self, config: Any, model: Any, tokenizer: Any = None):
-        cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-        cfg.setdefault("bprw", ("nn", "fewshot"))
-        cfg["bprw_only"] = True
-        super().__init__(cfg, model, tokenizer)
+    @classmethod
+    def parse(cls, config: Any) -> Config:
+        c = super().parse(config)
+        return dataclasses.replace(c, bprw=("nn", "fewshot") if c.bprw is None else c.bprw,
+                                   bprw_only=True)
