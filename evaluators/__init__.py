@@ -5,8 +5,9 @@
     metrics = dict(ev.run(params))                          # or run(params, progress=bar.update)
 
 The trainer (`prolip_jax.train.build_evaluators`, `config.evals`) and `scripts/evaluate.py`
-both build evaluators here. A new evaluator is one module with a class following `Evaluator`
-and one line in `REGISTRY`.
+both build evaluators here. A new evaluator is one module with a class following `Evaluator`,
+a frozen `Config` dataclass of its knobs (parsed by `common.parse_config`: a misspelled key is
+an error naming the nearest field) and its data reader beside it, and one line in `REGISTRY`.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from evaluators import hierarcaps, retrieval, suite, uncertainty, zeroshot
 
 
 class Evaluator(Protocol):
-    """`Cls(config, model, tokenizer=None)`; `run` reads its data through input_pipeline,
+    """`Cls(config, model, tokenizer=None)`, config a dict / ConfigDict parsed into the module's
+    `Config`; `run` reads its data (its own reader, on input_pipeline.eval_data),
     encodes sharded over all hosts' devices and yields the same (name, value) pairs on every
     host. `progress(k)` is called with the number of items this host encoded. Optional
     attributes: `arrays` (per-item numpy arrays of the last run, for plots) and `encoder`."""

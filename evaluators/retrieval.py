@@ -544,7 +544,7 @@ class Evaluator:
                             "(config coco_annotations=.../captions_val2014.json)")
             return None
         try:
-            import eccv_caption   # optional dependency (pip install eccv_caption): imported where used
+            import eccv_caption  # optional dependency (pip install eccv_caption): imported where used
         except ImportError:
             if data.name == "coco" and (data.name, "eccv") not in _WARNED:
                 _WARNED.add((data.name, "eccv"))

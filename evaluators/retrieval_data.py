@@ -44,7 +44,7 @@ def _coco_caption_ids(files: Sequence[str]) -> dict[tuple[int, str], int]:
 def _coco_5k_ids() -> tuple[set[int], set[int]] | None:
     """(image ids, caption ids) of the COCO 5K test set as eccv_caption ships them, or None."""
     try:
-        import eccv_caption   # optional dependency (pip install eccv_caption): imported where used
+        import eccv_caption  # optional dependency (pip install eccv_caption): imported where used
     except ImportError:
         return None
     data = os.path.join(os.path.dirname(eccv_caption.__file__), "data")

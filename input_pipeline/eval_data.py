@@ -244,7 +244,7 @@ def tfds_classification(tfds_name: str = "imagenet2012", split: str = "validatio
     label_map: tfds label -> label (e.g. ImageNet-1k index -> index in a 200-class subset).
     info["num_classes"]: the tfds label feature's number of classes, when it has one."""
     try:
-        import tensorflow_datasets as tfds   # optional heavy dependency: imported where used
+        import tensorflow_datasets as tfds  # optional heavy dependency: imported where used
     except ImportError as e:
         raise ImportError("dataset='tfds' needs tensorflow_datasets installed") from e
     if data_dir is not None and not os.path.isdir(data_dir):
