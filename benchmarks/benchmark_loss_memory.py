@@ -5,7 +5,7 @@
     python benchmarks/benchmark_loss_memory.py --batches 1024 4096 --dim 1152 --time-max 0
 
 For each global batch B (sharded over all devices on one "data" axis) it compiles loss +
-gradients w.r.t. all six inputs (`jax.value_and_grad` of `ring_loss.make_ppcl_loss(impl, mesh)`)
+gradients w.r.t. all six inputs (`jax.value_and_grad` of `ppcl.make_ppcl_loss(impl, mesh)`)
 and prints the per-device temp memory XLA reports (`compiled.memory_analysis()`: buffers
 beyond the inputs and outputs) and, for B <= --time-max, the median wall time of a step.
 Memory needs no execution, so it is reported for every B; fake CPU devices share the host's
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from prolip_jax import ring_loss
+from prolip_jax.objectives.prolip import ppcl
 
 
 def _inputs(batch: int, dim: int, rows: NamedSharding, rep: NamedSharding):
@@ -38,7 +38,7 @@ def measure(impl: str, mesh: Mesh, batch: int, dim: int, repeats: int, time_it: 
     rows, rep = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     specs = [jax.ShapeDtypeStruct((batch, dim), jnp.float32, sharding=rows)] * 4
     specs += [jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)] * 2
-    step = jax.jit(jax.value_and_grad(ring_loss.make_ppcl_loss(impl, mesh), argnums=range(6)))
+    step = jax.jit(jax.value_and_grad(ppcl.make_ppcl_loss(impl, mesh), argnums=range(6)))
     compiled = step.lower(*specs).compile()
     stats = compiled.memory_analysis()
     temp = stats.temp_size_in_bytes / 2 ** 20 if stats is not None else float("nan")

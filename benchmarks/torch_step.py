@@ -95,7 +95,7 @@ def vib_loss(mu, logvar, form, threshold):
 
 
 def prolip_loss(out: Mapping[str, Any], masked: Mapping[str, Any], masked_rows, cfg: Any):
-    """(total, terms) with prolip_jax's `losses.LossConfig` weights; inputs float32."""
+    """(total, terms) with prolip_jax's `objectives.prolip.Config` weights; inputs float32."""
     im, il, tm, tl = out["image_mean"], out["image_logvar"], out["text_mean"], out["text_logvar"]
     inc = dict(eps=cfg.inclusion_eps, scale=cfg.inclusion_scale, threshold=cfg.inclusion_threshold)
     terms = {"ppcl": cfg.ppcl_weight * ppcl_loss(im, il, tm, tl, out["logit_scale"], out["logit_bias"])}
@@ -147,7 +147,7 @@ def warmup_cosine(base_lr: float, warmup: int, total: int, end_lr: float = 0.0):
 class TorchTrainStep:
     """One ProLIP training update per call, on `device`, float32 weights.
 
-    model_cfg: prolip_jax ProLIPConfig; loss_cfg: losses.LossConfig; masking: step.MaskingConfig;
+    model_cfg: prolip_jax ProLIPConfig; loss_cfg: objectives.prolip.Config; masking: step.MaskingConfig;
     optim: the trainer's `config.optim` mapping (lr, warmup_steps, b1, b2, eps, weight_decay, end_lr);
     autocast: None (float32) or a dtype (torch.bfloat16 on CUDA); compile: torch.compile the
     forward + loss. params: optional flax parameters to start from (else the torch init).

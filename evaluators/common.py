@@ -20,7 +20,7 @@ import numpy as np
 from input_pipeline.tokenizers import build_tokenizer
 from prolip_jax import schema
 from prolip_jax.encode import Encoder  # noqa: F401  (the evaluators' encoder, re-exported)
-from prolip_jax.losses import csd
+from prolip_jax.objectives.distances import csd
 
 log = logging.getLogger(__name__)
 

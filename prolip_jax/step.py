@@ -30,7 +30,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from input_pipeline.transforms import normalize_on_device
-from prolip_jax import losses, objectives, sharding
+from prolip_jax import objectives, sharding
+from prolip_jax.objectives import prolip as prolip_objective
 from prolip_jax.models.prolip import ProLIP, dummy_inputs, mask_text_tokens, num_kept_patches
 from prolip_jax import optim
 from prolip_jax.optim import clamp_logit_scale
@@ -97,7 +98,7 @@ class StepConfig:
         """Masked rows per group of `masking.group` rows (0: no masked forward)."""
         if not self.module.USES_MASKED:
             return 0
-        return losses.num_masked(self.masking.group, self.masking.fraction)
+        return prolip_objective.num_masked(self.masking.group, self.masking.fraction)
 
 
 # --------------------------------------------------------------------------------- state

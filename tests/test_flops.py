@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from prolip_jax import flops
-from prolip_jax.losses import LossConfig, prolip_loss
+from prolip_jax.objectives.prolip import Config, prolip_loss
 from prolip_jax.models import get_config, with_overrides
 from prolip_jax.models.prolip import ProLIP, abstract_params, dummy_inputs, random_keep_indices
 
@@ -142,7 +142,7 @@ def test_train_step_matches_gradient_matmuls(tiny):
     def loss_fn(p):
         out = model.apply({"params": p}, images, tokens)
         masked = model.apply({"params": p}, images[:m], tokens[:m], keep)
-        return prolip_loss(out, masked, config=LossConfig())[0]
+        return prolip_loss(out, masked, config=Config())[0]
 
     counted = _dot_flops(jax.make_jaxpr(jax.value_and_grad(loss_fn))(params).jaxpr)
     patch = lambda n: flops.vision_forward_flops(cfg.vision, cfg.embed_dim, n)["patch_embed"]  # noqa: E731
@@ -162,7 +162,7 @@ def test_train_step_flops_with_a_locked_tower(tiny):
         p = {**trainable, **locked}
         out = model.apply({"params": p}, images, tokens)
         masked = model.apply({"params": p}, images[:m], tokens[:m], keep)
-        return prolip_loss(out, masked, config=LossConfig())[0]
+        return prolip_loss(out, masked, config=Config())[0]
 
     locked = {"visual": params["visual"]}
     trainable = {k: v for k, v in params.items() if k != "visual"}

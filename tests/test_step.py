@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 
-from prolip_jax import losses, optim, sharding
+from prolip_jax import optim, sharding
 from prolip_jax import step as S
 from prolip_jax.objectives import prolip as prolip_objective
 from prolip_jax.models import ProLIP, get_config
@@ -97,7 +97,7 @@ def test_key_bias_gradient_is_noise(setup):
 
     params = init_params(model.config, jax.random.key(0))
     grads = jax.jit(jax.grad(
-        lambda p: losses.prolip_loss({**model.apply({"params": p}, batch["image"], batch["text"])})[0]))(params)
+        lambda p: prolip_objective.prolip_loss({**model.apply({"params": p}, batch["image"], batch["text"])})[0]))(params)
     for tower in ("visual", "text"):
         kb = np.abs(grads[tower]["transformer"]["resblocks_0"]["attn"]["key_bias"]).max()
         qb = np.abs(grads[tower]["transformer"]["resblocks_0"]["attn"]["query_bias"]).max()

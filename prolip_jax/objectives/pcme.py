@@ -23,7 +23,7 @@ VIB (`vib_form`): "code" is probemb.py's `kl_divergence(samples.mean(1), logsigm
 B x D, where the network's `logsigma` is log sigma (the samples are mu + eps * exp(logsigma)) but
 is plugged into the KL formula as if it were log sigma^2: with our log sigma^2 = `logvar` that is
 -1/2 sum(1 + logvar/2 - mean_j(z_j)^2 - exp(logvar/2)) (the form PCME++ later fixed, see
-losses.vib_loss "reference"). "kl" is the exact KL(N(mu, sigma^2) || N(0, I)) summed over B x D.
+prolip.vib_loss "reference"). "kl" is the exact KL(N(mu, sigma^2) || N(0, I)) summed over B x D.
 Either is summed over the two modalities and weighted by `vib_beta`.
 
 Uniformity (`uniform_lambda` > 0, probemb.py `uniform_loss`, Wang & Isola): log of the mean over

@@ -22,7 +22,7 @@ added, not averaged.
   the other distances we keep d(v, t) so that each pair has one match logit).
 - VIB: KL(N(mu, sigma^2) || N(0, I)) = -1/2 mean(1 + log sigma^2 - mu^2 - sigma^2) over B x D per
   tower, a tower's term dropped (0) when it exceeds `vib_threshold` (code: 10000) — the
-  `losses.vib_loss(form="kl")` of ProLIP's module. Only towers with a logvar contribute.
+  `prolip.vib_loss(form="kl")` of ProLIP's objective. Only towers with a logvar contribute.
 - a, b: a = out["logit_scale"], b = out["logit_bias"]. PCME++'s a (`negative_scale`) is an
   unconstrained parameter initialised at 5 (COCO) or 1 (large scale); ours is stored as log a
   and exponentiated, so a > 0 always and PCME++'s init a = 5 is log a = log 5 (b = 5 as is).
@@ -46,8 +46,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from prolip_jax import losses
-from prolip_jax.objectives import contrastive, distances
+from prolip_jax.objectives import contrastive, distances, prolip
 
 NEEDS_LOGVAR = False
 USES_MASKED = False
@@ -113,7 +112,7 @@ def loss(out, cfg: Config, *, targets=None, masked=None, masked_rows=None, rng=N
         t2i = bce_mean(logits.T, pseudo_positive_targets(logits.T, m.T))
         terms["pseudo_match"] = cfg.pp_alpha * (i2t + t2i)
     if cfg.vib_beta > 0 and (il is not None or tl is not None):
-        vib = sum(losses.vib_loss(mu, lv, "kl", cfg.vib_threshold) for mu, lv in ((im, il), (tm, tl))
+        vib = sum(prolip.vib_loss(mu, lv, "kl", cfg.vib_threshold) for mu, lv in ((im, il), (tm, tl))
                   if lv is not None)
         terms["vib"] = cfg.vib_beta * vib
     if cfg.infonce_weight > 0:

@@ -1,98 +1,39 @@
-"""ProLIP objectives as pure functions of arrays (paper §3.2-3.3, REFERENCE §2).
+"""ProLIP (Chun et al., "Probabilistic Language-Image Pre-Training" §3.2-3.3): PPCL + inclusion
+losses + VIB, as pure functions of arrays (REFERENCE §2).
 
-Shapes: mu / logvar are [B, D] float (mu L2-normalised, logvar = log sigma^2). Every
-function computes *global-batch* semantics: under `jit` with a sharded batch the compiler
-distributes the B x B logits; how the batch is spread over devices never changes the value
-(REFERENCE §2.7: the intended loss, not the reference's even-world-size ring bug).
+Shapes: mu / logvar are [B, D] float (mu L2-normalised, logvar = log sigma^2). Every function
+computes *global-batch* semantics: under `jit` with a sharded batch the compiler distributes the
+B x B logits; how the batch is spread over devices never changes the value (REFERENCE §2.7: the
+intended loss, not the reference's even-world-size ring bug).
 
-Inclusion numerics (REFERENCE §2.4): the reference evaluates
-    inc(1->2) = -2 l1 - l2 - 1/2 log A + B^2 / 4A - C,
-    A = e^{eps-l1} + 1/2 e^{eps-l2}, B = 2 mu1 e^{eps-l1} + mu2 e^{eps-l2},
-    C = mu1^2 e^{eps-l1} + 1/2 mu2^2 e^{eps-l2}
-directly, which at eps = -100 makes A a float32 subnormal: flushed to zero, log A = -inf and
-the loss is NaN. We use the same value in closed form:
-    log A        = eps + logaddexp(-l1, -l2 - log 2)
-    B^2/4A - C   = -(mu1 - mu2)^2 e^{eps} / (sigma1^2 + 2 sigma2^2)
-                 = -(mu1 - mu2)^2 exp(eps - logaddexp(l1, l2 + log 2))
-(the second by completing the square), which is finite for any eps and needs no subnormals.
+Where the pieces are: PPCL's formula and its mesh layouts (sharded logits, ppermute ring) in
+`ppcl.py`; the inclusion test H (eq. 3-4, a formula on two Gaussians that the evaluators use
+too) and CSD in `prolip_jax.objectives.distances`; the inclusion loss (eq. 5), VIB and the
+weighted sum (eq. 6) here.
+
+Knobs: `Config` (the loss weights of eq. 6, reference defaults) plus how PPCL is laid out over
+the devices. Targets other than the identity (several captions of one image, identical
+captions, MSDA's soft labels) enter PPCL as BCE targets; for 0/1 targets that is exactly the
+paper's -log sigmoid(z_ij logit_ij) with z = 2 m - 1.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable, Literal
 
 import jax
 import jax.numpy as jnp
 
-LOG2 = math.log(2.0)
+from prolip_jax import sharding
+from prolip_jax.objectives.distances import inclusion_test
+from prolip_jax.objectives.prolip.ppcl import ppcl_loss, ppcl_loss_ring
 
-
-# --------------------------------------------------------------------------------- CSD / PPCL
-def csd(mu1: jax.Array, logvar1: jax.Array | None, mu2: jax.Array, logvar2: jax.Array | None
-        ) -> jax.Array:
-    """Closed-form sampled distance [N, M] (PCME++ eq. 2): ||mu1 - mu2||^2 + tr(S1 + S2).
-
-    A log sigma^2 of None (a deterministic tower, `embed_unc=False`) has tr(S) = 0: the squared
-    distance of the means alone (for unit mu the ranking of the dot product)."""
-    sq = (jnp.sum(mu1 ** 2, -1)[:, None] + jnp.sum(mu2 ** 2, -1)[None, :] - 2.0 * mu1 @ mu2.T)
-    if logvar1 is not None:
-        sq = sq + jnp.sum(jnp.exp(logvar1), -1)[:, None]
-    if logvar2 is not None:
-        sq = sq + jnp.sum(jnp.exp(logvar2), -1)[None, :]
-    return sq
-
-
-def ppcl_logits(img_mu: jax.Array, img_logvar: jax.Array, txt_mu: jax.Array, txt_logvar: jax.Array,
-                scale: jax.Array, bias: jax.Array) -> jax.Array:
-    """[B_img, B_txt] logits a * (mu_v . mu_t - tr(S_v + S_t) / 2) + b, as the reference codes it.
-
-    For unit mu this is -(a/2) CSD + (a + b). `scale` is a = exp(logit_scale), `bias` is b.
-    """
-    trace = jnp.sum(jnp.exp(img_logvar), -1)[:, None] + jnp.sum(jnp.exp(txt_logvar), -1)[None, :]
-    return scale * (img_mu @ txt_mu.T - trace / 2.0) + bias
-
-
-def ppcl_loss(img_mu: jax.Array, img_logvar: jax.Array, txt_mu: jax.Array, txt_logvar: jax.Array,
-              scale: jax.Array, bias: jax.Array, targets: jax.Array | None = None) -> jax.Array:
-    """-sum log sigmoid(z_ij * logit_ij) / B with z = 2I - 1 (paper eq. 2, REFERENCE §2.2).
-
-    targets: [B_img, B_txt] match targets m in [0, 1] instead of the identity; the loss is then
-    the BCE -sum [m log sigmoid(l) + (1 - m) log sigmoid(-l)] / B, which for 0/1 targets is
-    the same sum with z = 2m - 1 (several positives per row: identical captions, one image's
-    captions) and for fractional m the soft labels of MSDA (PCME++, seed 003 §2.4)."""
-    logits = ppcl_logits(img_mu, img_logvar, txt_mu, txt_logvar, scale, bias)
-    if targets is None:
-        labels = 2.0 * jnp.eye(logits.shape[0], logits.shape[1], dtype=logits.dtype) - 1.0
-        return -jnp.sum(jax.nn.log_sigmoid(labels * logits)) / img_mu.shape[0]
-    t = targets.astype(logits.dtype)
-    return -jnp.sum(t * jax.nn.log_sigmoid(logits) + (1.0 - t) * jax.nn.log_sigmoid(-logits)) / img_mu.shape[0]
+NEEDS_LOGVAR = True
+USES_MASKED = True
+SOFT_TARGETS = True
 
 
 # ---------------------------------------------------------------------------------- inclusion
-def log_inclusion(mu1: jax.Array, logvar1: jax.Array, mu2: jax.Array, logvar2: jax.Array,
-                  eps: float = 0.0) -> jax.Array:
-    """Per-dimension log inclusion inc(Z1 -> Z2) (paper eq. 3) with 1/sigma^2 scaled by e^eps.
-
-    Elementwise, same shape as the inputs (the reference does not sum over D).
-    """
-    log_a = eps + jnp.logaddexp(-logvar1, -logvar2 - LOG2)
-    quad = -jnp.square(mu1 - mu2) * jnp.exp(eps - jnp.logaddexp(logvar1, logvar2 + LOG2))
-    return -2.0 * logvar1 - logvar2 - 0.5 * log_a + quad
-
-
-def inclusion_test(mu1: jax.Array, logvar1: jax.Array, mu2: jax.Array, logvar2: jax.Array,
-                   eps: float = 0.0) -> jax.Array:
-    """H(Z1 in Z2) = inc(Z1->Z2) - inc(Z2->Z1) (paper eq. 4), per dimension: > 0 iff included."""
-    return log_inclusion(mu1, logvar1, mu2, logvar2, eps) - log_inclusion(mu2, logvar2, mu1, logvar1, eps)
-
-
-def inclusion_test_pairwise(mu1: jax.Array, logvar1: jax.Array, mu2: jax.Array, logvar2: jax.Array,
-                            eps: float = 0.0) -> jax.Array:
-    """[N, M] H summed over D for every pair (the reference's `inclusion_test_batchwise`)."""
-    return jnp.sum(inclusion_test(mu1[:, None], logvar1[:, None], mu2[None], logvar2[None], eps), -1)
-
-
 def _guard(loss: jax.Array, threshold: float) -> jax.Array:
     """The reference drops a term (returns 0) when it explodes past `threshold`."""
     return jnp.where(jnp.abs(loss) > threshold, jnp.zeros_like(loss), loss)
@@ -128,7 +69,7 @@ def vib_loss(mu: jax.Array, logvar: jax.Array, form: str = "reference", threshol
 
 # ---------------------------------------------------------------------------- combined objective
 @dataclasses.dataclass(frozen=True)
-class LossConfig:
+class Config:
     """Weights of the ProLIP objective (paper eq. 6); defaults are the B/16 DataComp scripts."""
 
     ppcl_weight: float = 1.0
@@ -140,6 +81,14 @@ class LossConfig:
     vib_form: Literal["reference", "kl"] = "reference"
     inclusion_threshold: float = 1e5
     vib_threshold: float = 1e4
+    # "dense": B x B logits sharded by XLA (O(b B) per device); "ring": shard_map + ppermute,
+    # O(b^2) per device (ppcl.py). The ring scores the diagonal only: identity targets.
+    ppcl_impl: Literal["dense", "ring"] = "dense"
+
+    def validate(self) -> None:
+        for name in ("ppcl_weight", "vib_beta", "alpha_image_text", "alpha_masked", "inclusion_scale"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"config.loss.{name} must be >= 0, got {getattr(self, name)}")
 
 
 def num_masked(batch: int, fraction: float) -> int:
@@ -151,7 +100,7 @@ def num_masked(batch: int, fraction: float) -> int:
 
 def prolip_loss(out: dict[str, jax.Array], masked: dict[str, jax.Array] | None = None,
                 masked_rows: jax.Array | None = None,
-                config: LossConfig = LossConfig(),
+                config: Config = Config(),
                 ppcl_fn: Callable | None = None, targets: jax.Array | None = None
                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The ProLIP objective. Returns (total, terms), each term already weighted.
@@ -163,7 +112,8 @@ def prolip_loss(out: dict[str, jax.Array], masked: dict[str, jax.Array] | None =
     masked_rows: int [M], which rows of `out` were masked; the reference masks the first M
       (default). The trainer spreads them over the data shards.
     ppcl_fn: replaces `ppcl_loss` (same signature), e.g. the ring implementation whose memory
-      per device is O(b_local^2) (`ring_loss.py`); same value.
+      per device is O(b_local^2) (`ppcl.py`); same value. `config.ppcl_impl` is not read here:
+      `loss` turns it into this argument.
     targets: [B, B] match targets for PPCL (`ppcl_loss`); None = the identity.
     """
     c = config
@@ -187,3 +137,15 @@ def prolip_loss(out: dict[str, jax.Array], masked: dict[str, jax.Array] | None =
                                      + vib_loss(tm, tl, c.vib_form, c.vib_threshold))
     total = sum(terms.values())
     return total, terms
+
+
+def loss(out, cfg: Config, *, targets=None, masked=None, masked_rows=None, rng=None, mesh=None):
+    """The registry entry point (prolip_jax/objectives/__init__.py): `prolip_loss` with PPCL laid
+    out by `cfg.ppcl_impl`."""
+    ppcl_fn = None
+    if cfg.ppcl_impl == "ring":
+        if targets is not None:
+            raise ValueError("config.loss.ppcl_impl='ring' scores one positive per row; use 'dense' with "
+                             "multi-positive or soft targets")
+        ppcl_fn = lambda *a: ppcl_loss_ring(*a, mesh=mesh, batch_axes=sharding.batch_axes(mesh))  # noqa: E731
+    return prolip_loss(out, masked, masked_rows, cfg, ppcl_fn=ppcl_fn, targets=targets)

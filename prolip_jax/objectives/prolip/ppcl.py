@@ -1,11 +1,13 @@
-"""Global-batch PPCL on a device mesh: dense sharded logits or a ppermute ring (issue 4, §3).
+"""PPCL, ProLIP's probabilistic pairwise contrastive loss (Chun et al., "Probabilistic
+Language-Image Pre-Training" §3.2 eq. 2), on one device and over a device mesh.
 
-Both give exactly `losses.ppcl_loss` of the gathered batch: -sum log sigmoid(z_ij l_ij) over
-all B x B pairs / B_global, z = +1 on the global diagonal and -1 elsewhere. This is the
-intended loss of REFERENCE §2.7, not the reference ring, which for even world sizes skips the
-opposite rank's texts and counts another block twice.
+`ppcl_loss` is the formula. Over a mesh, `global_ppcl_loss` / `make_ppcl_loss` give exactly
+`ppcl_loss` of the gathered batch: -sum log sigmoid(z_ij l_ij) over all B x B pairs /
+B_global, z = +1 on the global diagonal and -1 elsewhere. This is the intended loss of
+REFERENCE §2.7, not the reference ring, which for even world sizes skips the opposite rank's
+texts and counts another block twice.
 
-- "dense" (`ppcl_loss_sharded`): `losses.ppcl_loss` under jit with the batch sharded; the
+- "dense" (`ppcl_loss_sharded`): `ppcl_loss` under jit with the batch sharded; the
   compiler gathers the texts and row-shards the [B, B] logits: O(b * B) memory per device.
 - "ring" (`ppcl_loss_ring`): `shard_map`; each device keeps its b = B / n images and texts,
   scores its own [b, b] block (the positives), then passes the text block around the ring
@@ -15,7 +17,7 @@ opposite rank's texts and counts another block twice.
   gradients along with the text block back to their owner.
 
 Usage (see `make_ppcl_loss`): `fn = make_ppcl_loss("ring", mesh)` has the signature of
-`losses.ppcl_loss` and can be used inside the jitted train step.
+`ppcl_loss` and can be used inside the jitted train step.
 """
 from __future__ import annotations
 
@@ -27,8 +29,36 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from prolip_jax import losses
 
+# ------------------------------------------------------------------------------ the formula
+def ppcl_logits(img_mu: jax.Array, img_logvar: jax.Array, txt_mu: jax.Array, txt_logvar: jax.Array,
+                scale: jax.Array, bias: jax.Array) -> jax.Array:
+    """[B_img, B_txt] logits a * (mu_v . mu_t - tr(S_v + S_t) / 2) + b, as the reference codes it.
+
+    For unit mu this is -(a/2) CSD + (a + b). `scale` is a = exp(logit_scale), `bias` is b.
+    """
+    trace = jnp.sum(jnp.exp(img_logvar), -1)[:, None] + jnp.sum(jnp.exp(txt_logvar), -1)[None, :]
+    return scale * (img_mu @ txt_mu.T - trace / 2.0) + bias
+
+
+def ppcl_loss(img_mu: jax.Array, img_logvar: jax.Array, txt_mu: jax.Array, txt_logvar: jax.Array,
+              scale: jax.Array, bias: jax.Array, targets: jax.Array | None = None) -> jax.Array:
+    """-sum log sigmoid(z_ij * logit_ij) / B with z = 2I - 1 (ProLIP eq. 2, REFERENCE §2.2).
+
+    targets: [B_img, B_txt] match targets m in [0, 1] instead of the identity; the loss is then
+    the BCE -sum [m log sigmoid(l) + (1 - m) log sigmoid(-l)] / B, which for 0/1 targets is
+    the same sum with z = 2m - 1 (several positives per row: identical captions, one image's
+    captions) and for fractional m the soft labels of MSDA (PCME++, "Improved Probabilistic
+    Image-Text Representations" §2.4)."""
+    logits = ppcl_logits(img_mu, img_logvar, txt_mu, txt_logvar, scale, bias)
+    if targets is None:
+        labels = 2.0 * jnp.eye(logits.shape[0], logits.shape[1], dtype=logits.dtype) - 1.0
+        return -jnp.sum(jax.nn.log_sigmoid(labels * logits)) / img_mu.shape[0]
+    t = targets.astype(logits.dtype)
+    return -jnp.sum(t * jax.nn.log_sigmoid(logits) + (1.0 - t) * jax.nn.log_sigmoid(-logits)) / img_mu.shape[0]
+
+
+# ------------------------------------------------------------------------------ over a mesh
 IMPLS = ("dense", "ring")
 DEFAULT_BATCH_AXES = ("data", "fsdp")
 PPCLFn = Callable[..., jax.Array]  # (img_mu, img_logvar, txt_mu, txt_logvar, scale, bias) -> []
@@ -51,12 +81,12 @@ def _check_batch(img_mu: jax.Array, txt_mu: jax.Array, n: int) -> None:
 def ppcl_loss_sharded(img_mu: jax.Array, img_logvar: jax.Array, txt_mu: jax.Array, txt_logvar: jax.Array,
                       scale: jax.Array, bias: jax.Array, mesh: Mesh,
                       batch_axes: str | Sequence[str] = DEFAULT_BATCH_AXES) -> jax.Array:
-    """Option (a): `losses.ppcl_loss` on [B, D] inputs constrained to rows over `batch_axes`."""
+    """Option (a): `ppcl_loss` on [B, D] inputs constrained to rows over `batch_axes`."""
     axes = mesh_batch_axes(mesh, batch_axes)
     _check_batch(img_mu, txt_mu, math.prod(mesh.shape[a] for a in axes))
     rows = NamedSharding(mesh, P(axes or None))
     im, il, tm, tl = (jax.lax.with_sharding_constraint(x, rows) for x in (img_mu, img_logvar, txt_mu, txt_logvar))
-    return losses.ppcl_loss(im, il, tm, tl, scale, bias)
+    return ppcl_loss(im, il, tm, tl, scale, bias)
 
 
 # ------------------------------------------------------------------------------------- ring
@@ -64,7 +94,7 @@ def _block_loss(img_mu: jax.Array, img_tr: jax.Array, txt_mu: jax.Array, txt_tr:
                 scale: jax.Array, bias: jax.Array, diagonal: bool) -> jax.Array:
     """-sum log sigmoid(z * logits) of one block: mu [b, D], tr = sum exp(logvar) [b].
 
-    Same arithmetic as `losses.ppcl_logits`; z = 2I - 1 on the own block, else all -1.
+    Same arithmetic as `ppcl_logits`; z = 2I - 1 on the own block, else all -1.
     """
     logits = scale * (img_mu @ txt_mu.T - (img_tr[:, None] + txt_tr[None, :]) / 2.0) + bias
     if diagonal:
@@ -125,7 +155,7 @@ _ring_sum.defvjp(_ring_sum_fwd, _ring_sum_bwd)
 def ppcl_loss_ring(img_mu: jax.Array, img_logvar: jax.Array, txt_mu: jax.Array, txt_logvar: jax.Array,
                    scale: jax.Array, bias: jax.Array, mesh: Mesh,
                    batch_axes: str | Sequence[str] = DEFAULT_BATCH_AXES) -> jax.Array:
-    """Option (b): `losses.ppcl_loss` of the global batch, computed on a ring over `batch_axes`.
+    """Option (b): `ppcl_loss` of the global batch, computed on a ring over `batch_axes`.
 
     img_mu, img_logvar, txt_mu, txt_logvar: [B, D], rows sharded (or resharded here) over the
     batch axes of `mesh` present in `batch_axes`; several axes form one ring over their
@@ -136,7 +166,7 @@ def ppcl_loss_ring(img_mu: jax.Array, img_logvar: jax.Array, txt_mu: jax.Array, 
     n = math.prod(mesh.shape[a] for a in axes)
     _check_batch(img_mu, txt_mu, n)
     if n == 1:
-        return losses.ppcl_loss(img_mu, img_logvar, txt_mu, txt_logvar, scale, bias)
+        return ppcl_loss(img_mu, img_logvar, txt_mu, txt_logvar, scale, bias)
 
     def local(im, il, tm, tl, s, c):
         # Traces before the ring: a [b] vector travels instead of the [b, D] logvar block.
@@ -155,21 +185,21 @@ def ppcl_loss_ring(img_mu: jax.Array, img_logvar: jax.Array, txt_mu: jax.Array, 
 def global_ppcl_loss(impl: str, img_mu: jax.Array, img_logvar: jax.Array, txt_mu: jax.Array,
                      txt_logvar: jax.Array, scale: jax.Array, bias: jax.Array, mesh: Mesh | None = None,
                      batch_axes: str | Sequence[str] = DEFAULT_BATCH_AXES) -> jax.Array:
-    """PPCL by `impl` in IMPLS; with no mesh, "dense" is plain `losses.ppcl_loss` (single device)."""
+    """PPCL by `impl` in IMPLS; with no mesh, "dense" is plain `ppcl_loss` (single device)."""
     if impl not in IMPLS:
         raise ValueError(f"unknown PPCL implementation {impl!r}; use one of {IMPLS}")
     args = (img_mu, img_logvar, txt_mu, txt_logvar, scale, bias)
     if mesh is None:
         if impl == "ring":
             raise ValueError("impl='ring' needs the mesh")
-        return losses.ppcl_loss(*args)
+        return ppcl_loss(*args)
     fn = ppcl_loss_ring if impl == "ring" else ppcl_loss_sharded
     return fn(*args, mesh=mesh, batch_axes=batch_axes)
 
 
 def make_ppcl_loss(impl: str = "dense", mesh: Mesh | None = None,
                    batch_axes: str | Sequence[str] = DEFAULT_BATCH_AXES) -> PPCLFn:
-    """A function with `losses.ppcl_loss`'s signature, for `prolip_loss(..., ppcl_fn=...)`."""
+    """A function with `ppcl_loss`'s signature, for `prolip_loss(..., ppcl_fn=...)`."""
     if impl not in IMPLS:
         raise ValueError(f"unknown PPCL implementation {impl!r}; use one of {IMPLS}")
     if impl == "ring" and mesh is None:

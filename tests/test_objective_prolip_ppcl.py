@@ -1,5 +1,5 @@
 """Global-batch PPCL on 8 fake CPU devices: dense sharded logits and the ppermute ring both
-equal the single-device `losses.ppcl_loss` (loss and gradients of all six inputs, relative
+equal the single-device `ppcl.ppcl_loss` (loss and gradients of all six inputs, relative
 error <= 1e-5), and the compiled ring never holds a b_local x B array.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from prolip_jax import losses, ring_loss
+from prolip_jax.objectives.prolip import ppcl
 from conftest import max_rel_err
 
 TOL = 1e-5
@@ -40,17 +40,17 @@ def _inputs(batch: int = 64, dim: int = 16, seed: int = 0):
 @pytest.fixture(scope="module")
 def reference():
     args = _inputs()
-    return args, jax.jit(jax.value_and_grad(losses.ppcl_loss, argnums=range(6)))(*args)
+    return args, jax.jit(jax.value_and_grad(ppcl.ppcl_loss, argnums=range(6)))(*args)
 
 
-@pytest.mark.parametrize("impl", ring_loss.IMPLS)
+@pytest.mark.parametrize("impl", ppcl.IMPLS)
 @pytest.mark.parametrize("mesh_name", MESHES)
 def test_matches_single_device(reference, impl, mesh_name):
     mesh = _mesh(mesh_name)
     args, (ref_loss, ref_grads) = reference
-    rows = NamedSharding(mesh, P(ring_loss.mesh_batch_axes(mesh)))
+    rows = NamedSharding(mesh, P(ppcl.mesh_batch_axes(mesh)))
     sharded = [jax.device_put(x, rows) for x in args[:4]] + list(args[4:])
-    fn = ring_loss.make_ppcl_loss(impl, mesh)
+    fn = ppcl.make_ppcl_loss(impl, mesh)
     loss, grads = jax.jit(jax.value_and_grad(fn, argnums=range(6)))(*sharded)
     assert max_rel_err(loss, ref_loss) <= TOL, (float(loss), float(ref_loss))
     for name, g, r in zip(("img_mu", "img_logvar", "txt_mu", "txt_logvar", "scale", "bias"), grads, ref_grads):
@@ -68,20 +68,20 @@ def test_every_pair_counted_once():
         for j in range(16):
             logit = a * (im[i] @ tm[j] - (np.exp(il[i]).sum() + np.exp(tl[j]).sum()) / 2) + b
             total += np.logaddexp(0.0, -logit if i == j else logit)  # -log sigmoid(z * logit)
-    ring = jax.jit(ring_loss.make_ppcl_loss("ring", mesh))(*_inputs(batch=16, dim=4, seed=1))
+    ring = jax.jit(ppcl.make_ppcl_loss("ring", mesh))(*_inputs(batch=16, dim=4, seed=1))
     assert abs(float(ring) - total / 16) <= TOL * total / 16
 
 
 def test_dispatch_errors():
     mesh = _mesh("data8")
     with pytest.raises(ValueError, match="unknown PPCL"):
-        ring_loss.make_ppcl_loss("gather", mesh)
+        ppcl.make_ppcl_loss("gather", mesh)
     with pytest.raises(ValueError, match="needs the mesh"):
-        ring_loss.make_ppcl_loss("ring")
+        ppcl.make_ppcl_loss("ring")
     with pytest.raises(ValueError, match="does not divide"):
-        ring_loss.ppcl_loss_ring(*_inputs(batch=12), mesh=mesh)
-    single = ring_loss.global_ppcl_loss("dense", *_inputs())  # no mesh: the plain formula
-    assert float(single) == float(losses.ppcl_loss(*_inputs()))
+        ppcl.ppcl_loss_ring(*_inputs(batch=12), mesh=mesh)
+    single = ppcl.global_ppcl_loss("dense", *_inputs())  # no mesh: the plain formula
+    assert float(single) == float(ppcl.ppcl_loss(*_inputs()))
 
 
 def _temp_bytes(impl: str, mesh: Mesh, batch: int, dim: int) -> int:
@@ -89,7 +89,7 @@ def _temp_bytes(impl: str, mesh: Mesh, batch: int, dim: int) -> int:
     rows, rep = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     specs = [jax.ShapeDtypeStruct((batch, dim), jnp.float32, sharding=rows)] * 4
     specs += [jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)] * 2
-    fn = jax.value_and_grad(ring_loss.make_ppcl_loss(impl, mesh), argnums=range(6))
+    fn = jax.value_and_grad(ppcl.make_ppcl_loss(impl, mesh), argnums=range(6))
     stats = jax.jit(fn).lower(*specs).compile().memory_analysis()
     if stats is None or stats.temp_size_in_bytes <= 0:
         pytest.skip("this backend reports no compiled temp memory")
