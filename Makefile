@@ -16,7 +16,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml requirements/constraints.txt
 install: $(VENV)/.installed
 
 test: $(VENV)/.installed
-	$(TEST_ENV) $(PY) -m pytest -q --durations=15 tests
+	$(TEST_ENV) $(PY) -m pytest -q --durations=25 tests
 
 # Optional: PyTorch round-trip tests (CPU wheel), skipped by `make test` when torch is absent.
 test-torch: $(VENV)/.installed

@@ -66,13 +66,14 @@ def build_ours(config, batch: int, images, tokens):
     from prolip_jax import optim, sharding
     from prolip_jax import step as step_lib
     from prolip_jax.models import ProLIP
-    from prolip_jax.train import model_config, step_config
+    from prolip_jax.train import model_config, step_config, parse_config
 
-    mcfg, scfg = model_config(config), step_config(config)
+    tc = parse_config(config)
+    mcfg, scfg = model_config(tc), step_config(tc)
     mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
     model = ProLIP(mcfg, dtype=jnp.dtype(config.model.dtype), attention_impl=config.model.attention_impl,
                    remat=config.model.remat)
-    tx, schedule = optim.make_optimizer(config.optim.to_dict(), config.total_steps)
+    tx, schedule = optim.make_optimizer(tc.optim, config.total_steps)
     state, state_sh = step_lib.create_train_state(model, tx, mesh, config.sharding_rules, config.seed)
     dev_batch = sharding.global_batch({"image": images, "text": tokens}, mesh)
     step_fn = jax.jit(step_lib.make_train_step(model, tx, schedule, scfg, mesh, batch),
@@ -110,9 +111,9 @@ def main() -> None:
     config.batch_size = b = args.batch
 
     t0 = time.perf_counter()
-    from prolip_jax.train import model_config
+    from prolip_jax.train import model_config, parse_config
 
-    mcfg = model_config(config)
+    mcfg = model_config(parse_config(config))
     s, length = mcfg.vision.image_size, mcfg.text.context_length
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (b, s, s, 3), dtype=np.uint8)

@@ -60,9 +60,9 @@ def csd_retrieval(queries: int, gallery: int, dim: int, block: int) -> dict:
 def encoder_speed(config, images: int, texts: int, batch: int) -> dict:
     from prolip_jax.encode import Encoder
     from prolip_jax.models import ProLIP
-    from prolip_jax.train import model_config
+    from prolip_jax.train import model_config, parse_config
 
-    mcfg = model_config(config)
+    mcfg = model_config(parse_config(config))
     model = ProLIP(mcfg, dtype=jnp.dtype(config.model.dtype), attention_impl=config.model.attention_impl)
     s, length = mcfg.vision.image_size, mcfg.text.context_length
     params = jax.jit(lambda r: model.init(r, jnp.zeros((1, s, s, 3)), jnp.ones((1, length), jnp.int32)))(
@@ -98,12 +98,12 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(args.config)
     for assignment in args.set:
         set_field(config, assignment)
-    from prolip_jax.train import model_config
+    from prolip_jax.train import model_config, parse_config
 
     result = {"backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
               "n_devices": jax.device_count(), "variant": config.model.variant, "dtype": config.model.dtype}
     if args.only in (None, "csd"):
-        result["csd"] = c = csd_retrieval(args.queries, args.gallery, model_config(config).embed_dim, args.block)
+        result["csd"] = c = csd_retrieval(args.queries, args.gallery, model_config(parse_config(config)).embed_dim, args.block)
         peak = ("n/a" if c["device_memory"] is None
                 else f"{c['device_memory']['peak_bytes_in_use'] / 2 ** 30:.3g} GiB")
         print(f"blocked CSD ranks, {args.queries} x {args.gallery} (dim {c['dim']}, block {args.block}): "

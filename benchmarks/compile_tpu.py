@@ -178,16 +178,17 @@ def build_step(config: Any, devices: list[Any], mcfg: Any = None) -> tuple[Any, 
     from prolip_jax import optim, sharding
     from prolip_jax import step as step_lib
     from prolip_jax.models import ProLIP, abstract_params
-    from prolip_jax.train import model_config, step_config, validate
+    from prolip_jax.train import model_config, step_config, validate, parse_config
 
-    mcfg = model_config(config) if mcfg is None else mcfg
+    tc = parse_config(config)
+    mcfg = model_config(tc) if mcfg is None else mcfg
     mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes, devices=devices)
-    validate(config, mesh, mcfg)  # the trainer's checks: batch layout over the mesh, sizes, combinations
-    scfg = step_config(config)
+    validate(tc, mesh, mcfg)  # the trainer's checks: batch layout over the mesh, sizes, combinations
+    scfg = step_config(tc)
     model = ProLIP(mcfg, dtype=jnp.dtype(config.model.dtype), attention_impl=config.model.attention_impl,
                    remat=config.model.remat)
     param_shapes = abstract_params(mcfg)
-    optim_cfg = config.optim.to_dict()
+    optim_cfg = tc.optim
     tx, schedule = optim.make_optimizer(optim_cfg, config.total_steps, param_shapes, step=0)
     state_sh = step_lib.state_shardings(model, tx, mesh, config.sharding_rules)
     state = step_lib.abstract_train_state(model, tx, state_sh)
@@ -304,11 +305,11 @@ def compile_report(config: Any, topology: str | Topology, label: str = "", extra
     `nn.logical_axis_rules`), so the models' `nn.with_logical_constraint(x, ("batch", "length",
     "embed"))` on activations take effect. prolip_jax/train.py lowers its step without them, where
     they are no-ops and sharding propagation alone decides the activations' layout."""
-    from prolip_jax.train import model_config
+    from prolip_jax.train import model_config, parse_config
 
     topo = parse_topology(topology) if isinstance(topology, str) else topology
     devices = topology_devices(topo)
-    mcfg = model_config(config)
+    mcfg = model_config(parse_config(config))
     full = (mcfg.vision.layers, mcfg.text.layers)
     depths = shallow_depths(*full) if extrapolate_depth else None
     if depths is None:
@@ -383,10 +384,11 @@ def describe(r: dict[str, Any]) -> str:
 def check(config: Any, topo: Topology) -> None:
     """The trainer's checks of `config` on `topo`'s mesh (prolip_jax/train.py validate): ValueError."""
     from prolip_jax import sharding
-    from prolip_jax.train import model_config, validate
+    from prolip_jax.train import model_config, validate, parse_config
 
     mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes, devices=topology_devices(topo))
-    validate(config, mesh, model_config(config))
+    tc = parse_config(config)
+    validate(tc, mesh, model_config(tc))
 
 
 def main(argv: list[str] | None = None) -> int:

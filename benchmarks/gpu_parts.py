@@ -146,10 +146,11 @@ def torch_step_figures(config_spec: str, per_device_batch: int, steps: int, comp
 
     from prolip_jax import flops as flops_lib
     from prolip_jax import step as step_lib
-    from prolip_jax.train import model_config, step_config
+    from prolip_jax.train import model_config, step_config, parse_config
 
     config = load_config(config_spec)
-    mcfg, scfg = model_config(config), step_config(config)
+    tc = parse_config(config)
+    mcfg, scfg = model_config(tc), step_config(tc)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     autocast = torch.bfloat16 if device == "cuda" and config.model.dtype == "bfloat16" else None
     b, s, length = per_device_batch, mcfg.vision.image_size, mcfg.text.context_length
@@ -271,9 +272,9 @@ def random_batch_seconds(global_batch: int, config) -> float | None:
     synthetic run's own input cost, to read its samples/s against."""
     try:
         from prolip_jax.data import RandomBatches
-        from prolip_jax.train import model_config
+        from prolip_jax.train import model_config, parse_config
 
-        mcfg = model_config(config)
+        mcfg = model_config(parse_config(config))
         it = RandomBatches(global_batch, mcfg.vision.image_size, mcfg.text.context_length, mcfg.text.vocab_size,
                            process_index=0, process_count=1)
         next(it)

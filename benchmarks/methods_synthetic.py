@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from input_pipeline.transforms import normalize_on_device  # noqa: E402
+from prolip_jax.normalization import normalize_on_device  # noqa: E402
 from prolip_jax import objectives, optim, sharding  # noqa: E402
 from prolip_jax import step as step_lib  # noqa: E402
 from prolip_jax.models import ProLIP, get_config  # noqa: E402

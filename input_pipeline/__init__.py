@@ -21,8 +21,6 @@ _LAZY = {
     "build_dataset": "input_pipeline.pipeline",
     "InputIterator": "input_pipeline.pipeline",
     "SKIP_REASONS": "input_pipeline.records",
-    "normalize": "input_pipeline.transforms",
-    "normalize_on_device": "input_pipeline.transforms",
 }
 
 __all__ = sorted(_LAZY)

@@ -9,6 +9,7 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 from input_pipeline import transforms
+from prolip_jax.normalization import NORMALIZATIONS
 
 # Caption datasets with several captions per image (captions.py).
 CAPTION_SOURCES = ("coco_karpathy", "flickr30k", "cub")
@@ -55,7 +56,7 @@ class DataConfig:
     color_jitter_impl: str = "fast"     # "fast" (one colour matrix) or "torchvision"
     normalization: str = "openai"       # "openai" (reference) or "0.5" (SigLIP)
     # float32: normalised on the host. uint8: raw pixels, 4x less to move; call
-    # `input_pipeline.transforms.normalize_on_device(images, normalization)` in the step.
+    # `prolip_jax.normalization.normalize_on_device(images, normalization)` in the step.
     image_dtype: str = "float32"
     # Bad-input limits.
     max_image_pixels: int = 50_000_000  # decompression-bomb guard (checked before decoding)
@@ -102,9 +103,9 @@ class DataConfig:
         if self.image_dtype not in IMAGE_DTYPES:
             raise ValueError(f"data.image_dtype must be one of {IMAGE_DTYPES}, got "
                              f"{self.image_dtype!r}.")
-        if self.normalization not in transforms.NORMALIZATIONS:
+        if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"data.normalization must be one of "
-                             f"{sorted(transforms.NORMALIZATIONS)}, got {self.normalization!r}.")
+                             f"{sorted(NORMALIZATIONS)}, got {self.normalization!r}.")
         for name in ("batch_size", "image_size", "shuffle_buffer_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}.")

@@ -57,7 +57,7 @@ class DecodeConfig:
     seed: int = 0
 
 
-def _to_rgb(img: Image.Image) -> Image.Image | Skip:
+def to_rgb(img: Image.Image) -> Image.Image | Skip:
     mode = img.mode
     if mode == "RGB":
         return img
@@ -112,7 +112,7 @@ def load_rgb(data: bytes | np.ndarray | None, max_pixels: int, min_side: int,
             if scale >= 2:
                 img.draft(img.mode, (int(w / scale) + 1, int(h / scale) + 1))
         img.load()   # decode now, so truncated data fails here and not in a transform
-        return _to_rgb(img)
+        return to_rgb(img)
     except Image.DecompressionBombError:
         return Skip("image_too_large")
     except Exception:

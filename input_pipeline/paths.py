@@ -1,4 +1,5 @@
-"""Shard path patterns: brace expansion, globs, local or fsspec URLs.
+"""Paths: shard patterns (brace expansion, globs, local or fsspec URLs), and files written
+atomically with the permissions of a normal file.
 
 `expand_paths("shards/{00000..01023}.tar")` gives 1024 paths, zero-padded like the pattern
 (webdataset / img2dataset naming). Alternatives `{train,val}` and several braces in one pattern
@@ -10,7 +11,9 @@ from __future__ import annotations
 import glob as glob_lib
 import os
 import re
-from typing import IO, Sequence
+import tempfile
+from pathlib import Path
+from typing import IO, Any, Sequence
 
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
@@ -119,3 +122,46 @@ def open_binary(path: str) -> IO[bytes]:
         import fsspec
         return fsspec.open(path, "rb").open()
     return open(path, "rb")
+
+
+# --------------------------------------------------------------------------- writing files
+def umask() -> int:
+    """The process umask (read without changing it where /proc allows)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore (not thread-safe, hence the /proc path)
+    os.umask(mask)
+    return mask
+
+
+def chmod_default(path: str | os.PathLike) -> None:
+    """Gives `path` the mode a plain `open(..., "w")` / `mkdir` would: 0666 (files) or 0777
+    (folders) minus the umask. Temporary files and folders (tempfile.mkstemp / mkdtemp, and
+    safetensors' own writer) are created 0600 / 0700, which would lock out everyone else."""
+    base = 0o777 if os.path.isdir(path) else 0o666
+    os.chmod(path, base & ~umask())
+
+
+def write_bytes_atomic(path: Any, data: bytes) -> None:
+    """Writes `data` to `path` (a local path or an etils epath, e.g. gs://) so that a reader never
+    sees a partial file: local files go through a temporary sibling and a rename."""
+    s = os.fspath(path) if not hasattr(path, "as_uri") or isinstance(path, Path) else str(path)
+    if "://" in s:
+        path.write_bytes(data)  # object stores replace an object atomically
+        return
+    directory = os.path.dirname(s) or "."
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(s)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        chmod_default(tmp)
+        os.replace(tmp, s)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -26,14 +26,15 @@ from typing import Any, Callable, Mapping, Sequence
 import grain
 import numpy as np
 
+from input_pipeline import captions, demo, tokenizers
 from input_pipeline import paths as paths_lib
 from input_pipeline import shared_batches
 from input_pipeline import sources
 from input_pipeline import tar_source
-from input_pipeline import transforms
 from input_pipeline.config import CAPTION_SOURCES, DataConfig
 from input_pipeline.decode import DecodeConfig, ExampleDecoder
 from input_pipeline.records import REASON_INDEX, SKIP_REASONS, Skip
+from prolip_jax.normalization import normalize
 
 Tokenizer = Callable[[Sequence[str]], np.ndarray]
 _PAD = Skip("padding")   # eval: a position past the end of this host's share of the data
@@ -139,7 +140,7 @@ class _BatchIterator(grain.DatasetIterator):
             length = int(getattr(ds.tokenizer, "context_length"))
             text = np.full((b, length), getattr(ds.tokenizer, "pad_id", 0), np.int32)
         if ds.image_dtype == "float32":
-            images = transforms.normalize(
+            images = normalize(
                 images, ds.normalization, out=self._array(images.shape, np.float32, True))
         out = {"image": images if self._outgoing is None else self._outgoing, "text": text,
                "_skipped": counts}
@@ -407,7 +408,6 @@ def resolve_tokenizer(cfg: DataConfig, tokenizer: Tokenizer | None) -> Tokenizer
     if cfg.source == "demo":
         return _demo(cfg)[0].tokenizer()
     if cfg.tokenizer:
-        from input_pipeline import tokenizers
         return tokenizers.build_tokenizer(**cfg.tokenizer)
     raise ValueError("No tokenizer: pass one to the builder or set data.tokenizer to the "
                      "kwargs of input_pipeline.tokenizers.build_tokenizer.")
@@ -415,7 +415,6 @@ def resolve_tokenizer(cfg: DataConfig, tokenizer: Tokenizer | None) -> Tokenizer
 
 def _demo(cfg: DataConfig) -> tuple[Any, str]:
     """data.demo = DemoConfig fields + cache_dir (+ "split", default "train")."""
-    from input_pipeline import demo
     kwargs = dict(cfg.demo)
     split = kwargs.pop("split", "train")
     return demo.get_demo(**kwargs), split
@@ -423,7 +422,6 @@ def _demo(cfg: DataConfig) -> tuple[Any, str]:
 
 def _random_access_source(cfg: DataConfig) -> tuple[Any, Callable[[Any], Any], list[str]]:
     if cfg.source in CAPTION_SOURCES:
-        from input_pipeline import captions
         src = captions.CaptionSource(captions.load_index(cfg), cfg.caption_iteration,
                                      cfg.positive_level)
         return src, captions.ToRaw(), captions.source_spec(cfg)

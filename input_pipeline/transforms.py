@@ -7,7 +7,7 @@ Train (REFERENCE §5, open_clip 2.24 `image_transform(is_train=True)` as ProLIP 
 Eval (REFERENCE §1.5): bicubic resize of the shortest side to `size`, then CenterCrop(size).
 Normalisation: OpenAI CLIP mean/std (the reference's) or 0.5/0.5 (SigLIP's), by config.
 
-Transforms return HWC uint8; `normalize` turns a batch into float32. The crop geometry is
+Transforms return HWC uint8; `prolip_jax.normalization.normalize` turns a batch into float32. The crop geometry is
 torchvision's `RandomResizedCrop.get_params` algorithm, drawn from a numpy Generator that the
 caller seeds per record, so a resumed run augments every record exactly as before.
 
@@ -25,18 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 from PIL import Image, ImageEnhance, ImageStat
 
-OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
-NORMALIZATIONS = {
-    "openai": (OPENAI_MEAN, OPENAI_STD),
-    "0.5": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
-}
-NORMALIZATIONS["siglip"] = NORMALIZATIONS["0.5"]
 
 # ITU-R 601-2 luma, as PIL's convert("L") and torchvision's rgb_to_grayscale use.
 _LUMA = np.array([0.299, 0.587, 0.114])
@@ -207,38 +200,3 @@ def eval_transform(img: Image.Image, size: int) -> np.ndarray:
         img = img.resize((w, h), Image.Resampling.BICUBIC)
     left, top = int(round((w - size) / 2.0)), int(round((h - size) / 2.0))
     return np.asarray(img.crop((left, top, left + size, top + size)), np.uint8)
-
-
-def _mean_std(normalization: str) -> tuple[np.ndarray, np.ndarray]:
-    try:
-        mean, std = NORMALIZATIONS[normalization]
-    except KeyError:
-        raise ValueError(f"Unknown normalization {normalization!r}; expected one of "
-                         f"{sorted(NORMALIZATIONS)}.") from None
-    return np.asarray(mean, np.float32), np.asarray(std, np.float32)
-
-
-def normalize(images: np.ndarray, normalization: str = "openai",
-              out: np.ndarray | None = None) -> np.ndarray:
-    """uint8 [..., 3] in 0..255 -> float32 (x/255 - mean) / std, on the host (into `out`)."""
-    mean, std = _mean_std(normalization)
-    scale, offset = 1.0 / (255.0 * std), -mean / std
-    if out is None:
-        out = np.empty(images.shape, np.float32)
-    np.multiply(images, scale, out=out, dtype=np.float32)
-    out += offset
-    return out
-
-
-def normalize_on_device(images: Any, normalization: str = "openai",
-                        dtype: Any = None) -> Any:
-    """uint8 images [B, H, W, 3] -> normalised float (jnp), for `image_dtype="uint8"` batches.
-
-    Call it inside the jitted step: it fuses into the first conv, and uint8 batches are 4x
-    cheaper to build, move between processes and copy to the device.
-    """
-    import jax.numpy as jnp
-    mean, std = _mean_std(normalization)
-    dtype = dtype or jnp.float32
-    x = jnp.asarray(images).astype(jnp.float32)
-    return ((x * (1.0 / (255.0 * std)) - mean / std)).astype(dtype)

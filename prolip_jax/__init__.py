@@ -4,9 +4,26 @@
     model = prolip_jax.load(path)             # CKPT dir or Hugging Face folder
     mu, logvar = model.encode_image(model.preprocess(pil_images))  # the training's resize/crop/normalisation
     mu, logvar = model.encode_text(model.tokenize(texts))          # the tokenizer recorded with it
+
+The names below load on first use: `load` sits at the top of the house (it wires checkpoints,
+tokenizers and image preprocessing together), and `import prolip_jax.<core module>` (what
+input_pipeline's grain workers do) must not pull the whole API, and jax, in with it.
 """
-from prolip_jax.api import PretrainedProLIP, load
-from prolip_jax.models import ProLIP, ProLIPConfig, get_config
+import importlib
+
+_LAZY = {
+    "PretrainedProLIP": "prolip_jax.api",
+    "load": "prolip_jax.api",
+    "ProLIP": "prolip_jax.models",
+    "ProLIPConfig": "prolip_jax.models",
+    "get_config": "prolip_jax.models",
+}
 
 __version__ = "0.1.0"
-__all__ = ["PretrainedProLIP", "load", "ProLIP", "ProLIPConfig", "get_config", "__version__"]
+__all__ = [*_LAZY, "__version__"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'prolip_jax' has no attribute {name!r}")

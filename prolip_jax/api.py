@@ -9,7 +9,7 @@ the model's image size S, centre crop S x S, pixels / 255, then (x - mean) / std
 training's `data.normalization` (recorded in the checkpoint; "openai" = OpenAI CLIP's mean
 (0.48145466, 0.4578275, 0.40821073) / std (0.26862954, 0.26130258, 0.27577711), the reference's;
 "0.5" = SigLIP's 0.5 / 0.5). `tokenize` uses the tokenizer recorded with the checkpoint
-(prolip_jax/tokenizer_files.py) or exported with a Hugging Face folder.
+(input_pipeline/tokenizer_files.py) or exported with a Hugging Face folder.
 
 mu is L2-normalised and log sigma^2 raw, both float32 numpy [N, D]. `path` may also be a
 Hugging Face repo id or any source `prolip_jax.pretrained.loader.load_pretrained` reads
@@ -28,11 +28,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from PIL import Image
 
-from prolip_jax import checkpoint, convert
+from input_pipeline import tokenizer_files, transforms
+from input_pipeline.decode import to_rgb
+from input_pipeline.tokenizers import build_tokenizer
+from prolip_jax import checkpoint, convert, export, normalization as normalization_lib, overview
 from prolip_jax.encode import Encoder
 from prolip_jax.models.config import ProLIPConfig
 from prolip_jax.models.prolip import ProLIP
+from prolip_jax.pretrained import hub
+from prolip_jax.pretrained.loader import load_pretrained
 
 
 @dataclasses.dataclass
@@ -44,7 +50,7 @@ class PretrainedProLIP:
     step: int | None = None  # the checkpoint step it was loaded from (None: a Hugging Face folder)
     report: Any = None  # the ImportReport of an imported (non-prolip_jax) source
     tokenizer: Any = None  # the recorded tokenizer (input_pipeline.tokenizers), if any
-    normalization: Any = "openai"  # a transforms.NORMALIZATIONS name or a (mean, std) pair
+    normalization: Any = "openai"  # a prolip_jax.normalization.NORMALIZATIONS name or a (mean, std) pair
 
     def __post_init__(self):
         self.module = ProLIP(self.config, dtype=self.dtype)
@@ -52,13 +58,9 @@ class PretrainedProLIP:
 
     def summary(self) -> str:
         """The parameter table (names, shapes, sizes; clu.parameter_overview) with per-tower totals."""
-        from prolip_jax import overview
-
         return overview.parameter_table(self.params)
 
     def __repr__(self) -> str:
-        from prolip_jax import overview
-
         totals = overview.tower_totals(self.params)
         towers = ", ".join(f"{k} {v:,}" for k, v in totals.items())
         return (f"PretrainedProLIP({sum(totals.values()):,} parameters: {towers}; embed_dim={self.config.embed_dim}, "
@@ -103,16 +105,12 @@ class PretrainedProLIP:
         "openai": mean (0.48145466, 0.4578275, 0.40821073), std (0.26862954, 0.26130258,
         0.27577711); "0.5": 0.5 / 0.5). The same transform the evaluators and the input
         pipeline's eval path apply (input_pipeline.transforms.eval_transform + normalize)."""
-        from PIL import Image
-
-        from input_pipeline import transforms
-
         if isinstance(images, Image.Image):
             images = [images]
         s = self.config.vision.image_size
         pixels = np.stack([transforms.eval_transform(_rgb(img), s) for img in images]) if len(images) else (
             np.zeros((0, s, s, 3), np.uint8))
-        mean, std = convert.normalization_mean_std(self.normalization)
+        mean, std = normalization_lib.mean_std(self.normalization)
         return ((pixels.astype(np.float32) / 255.0 - np.asarray(mean, np.float32))
                 / np.asarray(std, np.float32)).astype(np.float32)
 
@@ -130,9 +128,7 @@ class PretrainedProLIP:
 
 def _rgb(img: Any) -> Any:
     """A PIL image as RGB (transparency composited on white, as input_pipeline.decode does)."""
-    from input_pipeline.decode import _to_rgb
-
-    out = _to_rgb(img)
+    out = to_rgb(img)
     if not hasattr(out, "mode"):  # a Skip: a mode PIL cannot convert
         raise ValueError(f"cannot convert a {img.mode!r} image to RGB")
     return out
@@ -142,8 +138,6 @@ def _tokenizer_arg(tokenizer: Any, context_length: int) -> Any:
     """load(tokenizer=...): a tokenizer object, or build_tokenizer kwargs (dict(kind, path, ...))."""
     if tokenizer is None or callable(tokenizer):
         return tokenizer
-    from input_pipeline.tokenizers import build_tokenizer
-
     kw = dict(tokenizer)
     kw.setdefault("context_length", context_length)
     return build_tokenizer(**kw)
@@ -165,16 +159,12 @@ def load(path: str | os.PathLike, dtype: Any = jnp.float32, step: int | None = N
     such as dict(kind="sentencepiece", path="spiece.model")). `normalization` (for
     `.preprocess`): default the training's data.normalization, else "openai" (the reference's;
     imported SigLIP models want "0.5")."""
-    from prolip_jax.pretrained import hub
-
     trainer_ckpts = Path(path) / "checkpoints"
     if not hub.is_repo_id(path) and not checkpoint.is_checkpoint(path) and checkpoint.is_checkpoint(trainer_ckpts):
         path = trainer_ckpts
     report = None
     if hub.is_repo_id(path) or format != "auto" or arch is not None or not (
             convert.is_hf_dir(path) or checkpoint.is_checkpoint(path)):
-        from prolip_jax.pretrained.loader import load_pretrained
-
         try:
             config, params, report = load_pretrained(path, format=format, arch=arch)
         except FileNotFoundError as e:
@@ -191,10 +181,10 @@ def load(path: str | os.PathLike, dtype: Any = jnp.float32, step: int | None = N
         params, config = convert.load_hf(path)
         params = jax.device_put(params)
         step = None
-        recorded, recorded_norm = convert.load_hf_preprocessing(path)
+        recorded, recorded_norm = export.load_hf_preprocessing(path)
     else:
         params, config, step = checkpoint.load_params(path, step=step)
-        recorded = checkpoint.load_tokenizer(path, step=step)
+        recorded = tokenizer_files.from_checkpoint(path, step=step)
         recorded_norm = checkpoint.training_normalization(checkpoint.load_config(path, step)[1])
     return PretrainedProLIP(config, params, dtype=dtype, batch_size=batch_size, step=step, report=report,
                             tokenizer=_tokenizer_arg(tokenizer, config.text.context_length) or recorded,

@@ -5,7 +5,7 @@
       <step>/config/            JSON: {"model": <reference config.json dict>, ...metadata}
       <step>/...                the trainer adds its own items (optimizer state, data iterator)
       tokenizer-<sha>.<ext>     the tokenizer file of training (its record, with sha256, is the
-                                config's "tokenizer" entry; prolip_jax/tokenizer_files.py)
+                                config's "tokenizer" entry; input_pipeline/tokenizer_files.py)
 
 Everything needed to rebuild the model is inside (`params` + `config`), so `prolip_jax.load`,
 `scripts/convert_to_pytorch.py` and the evaluators take a CKPT path alone. A path to one
@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from prolip_jax.models.config import ProLIPConfig
+from prolip_jax.models.prolip import abstract_params
 
 PARAMS = "params"
 CONFIG = "config"
@@ -78,27 +79,6 @@ def load_config(path: str | os.PathLike, step: int | None = None) -> tuple[ProLI
     return ProLIPConfig.from_dict(meta["model"]), dict(meta), step
 
 
-def load_tokenizer(path: str | os.PathLike, step: int | None = None, context_length: int | None = None) -> Any:
-    """The tokenizer the checkpoint was trained with (rebuilt from the file recorded beside it,
-    its sha256 checked; `mask_id` / `protected_ids` attributes hold the training's masking ids),
-    or None for a checkpoint that records none (written before tokenizers were recorded, or
-    trained on random tokens). context_length: default the training's."""
-    from prolip_jax.tokenizer_files import tokenizer_from_record
-
-    root, step = resolve(path, step)
-    meta = load_config(root, step)[1]
-    return tokenizer_from_record(root, meta.get("tokenizer"), context_length)
-
-
-def load_tokenizer_file(path: str | os.PathLike, step: int | None = None) -> Any:
-    """The recorded tokenizer_files.TokenizerFile of a checkpoint (None if none is recorded)."""
-    from prolip_jax.tokenizer_files import TokenizerFile
-
-    root, step = resolve(path, step)
-    record = load_config(root, step)[1].get("tokenizer")
-    return TokenizerFile.read(root, record) if record else None
-
-
 def training_normalization(meta: Mapping[str, Any]) -> str | None:
     """The image normalisation the model was trained with (`data.normalization` of the recorded
     training config), or None when the checkpoint does not say (params-only checkpoints)."""
@@ -110,7 +90,6 @@ def load_params(path: str | os.PathLike, step: int | None = None,
                 sharding: jax.sharding.Sharding | Any | None = None) -> tuple[dict, ProLIPConfig, int]:
     """(params, config, step). `sharding`: one Sharding for every leaf or a matching pytree of
     them (restore onto any mesh); default: the first local device."""
-    from prolip_jax.models.prolip import abstract_params
 
     config, _, step = load_config(path, step)
     root, _ = resolve(path, step)
@@ -134,6 +113,34 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
 
 
 # ----------------------------------------------------------------------------------------
+class StateSnapshot:
+    """The iterator position frozen at save time, for grain's orbax checkpoint handler.
+
+    Orbax saves asynchronously; handing it the live iterator would record wherever the
+    iterator has moved on to by then. The handler calls `get_state()` (bytes) on save and
+    `set_state(bytes)` + `start_prefetch()` on restore.
+    """
+
+    def __init__(self, state: bytes | None = None):
+        self.state = state
+
+    @classmethod
+    def of(cls, iterator: Any) -> "StateSnapshot":
+        return cls(json.dumps(iterator.get_state()).encode())
+
+    def get_state(self) -> bytes:
+        return self.state
+
+    def set_state(self, state: bytes) -> None:
+        self.state = state
+
+    def start_prefetch(self) -> None:
+        pass
+
+    def restore_into(self, iterator: Any) -> None:
+        iterator.set_state(json.loads(self.state.decode()))
+
+
 # The trainer's checkpoints: the same directory layout plus optimiser, counters and data.
 # ----------------------------------------------------------------------------------------
 OPT_STATE = "opt_state"
@@ -146,9 +153,7 @@ def save_train_state(mngr: ocp.CheckpointManager, step: int, state: Any, model_c
                      train_config: Any, data: Any, force: bool = False, locked: list[str] = ()) -> None:
     """Asynchronous save of params, optimiser state, counters, config and the data position.
     `locked`: the parameter paths locked at `step` (recorded in the config item)."""
-    import grain
-
-    from prolip_jax.data import StateSnapshot
+    import grain  # here, not at the top: loading a model for inference needs no grain
 
     meta = {"model": model_config.to_dict(), "train_config": json.loads(train_config.to_json_best_effort()),
             "locked": list(locked)}
@@ -242,24 +247,18 @@ class KeepBestConfig:
     baseline: float = 0.0  # a value must beat this (and every earlier one) to be kept
 
 
-KEEP_BEST_DEFAULTS = dataclasses.asdict(KeepBestConfig())
-KEEP_BEST_MODES = ("min", "max")
-
-
 class BestKeeper:
     """Keeps `WORKDIR/best/<step>` (params + config, as `save_params` writes), the step whose
     `metric` was best so far; the value survives restarts (it is read back from the config item)."""
 
-    def __init__(self, directory: str | os.PathLike, settings: Mapping[str, Any], model_config: ProLIPConfig,
+    def __init__(self, directory: str | os.PathLike, settings: KeepBestConfig, model_config: ProLIPConfig,
                  tokenizer: Any = None):
         self.tokenizer = tokenizer  # a tokenizer_files.TokenizerFile recorded with each kept step
-        self.metric, self.mode = settings["metric"], settings["mode"]
-        if self.mode not in KEEP_BEST_MODES:
-            raise ValueError(f"config.keep_best.mode={self.mode!r} is not one of {KEEP_BEST_MODES}")
+        self.metric, self.mode = settings.metric, settings.mode
         self.model_config = model_config
         self.mngr = ocp.CheckpointManager(Path(directory).absolute(), item_names=(PARAMS, CONFIG),
                                           options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
-        self.best = float(settings["baseline"])
+        self.best = float(settings.baseline)
         step = self.mngr.latest_step()
         if step is not None:
             meta = self.mngr.restore(step, args=ocp.args.Composite(**{CONFIG: ocp.args.JsonRestore()}))[CONFIG]

@@ -12,18 +12,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import numpy as np
 
 from prolip_jax.models.config import ProLIPConfig
+from prolip_jax.models.prolip import abstract_params
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-PREPROCESSOR_NAME = "preprocessor_config.json"
 
 # Layout kinds: how one source tensor maps to one (or several) Flax leaves.
 #   copy   same array                         linear  torch (out, in)  <-> flax (in, out)
@@ -249,8 +247,6 @@ def rule_shapes(rules: list[Rule], abstract: Mapping[str, Any]) -> dict[str, tup
 
 def expected_torch_shapes(config: ProLIPConfig, layout: str = "prolip") -> dict[str, tuple[int, ...]]:
     """torch key -> shape for a model of this config (no parameters are allocated)."""
-    from prolip_jax.models.prolip import abstract_params  # local: keeps this module light
-
     return rule_shapes(conversion_rules(config, layout), abstract_params(config))
 
 
@@ -314,8 +310,6 @@ def torch_to_flax(state_dict: Mapping[str, Any], config: ProLIPConfig, layout: s
     """Reference state_dict (numpy arrays, torch layouts) -> Flax params (float32 numpy)."""
     state_dict = strip_prefix(state_dict)
     check_state_dict(state_dict, config, layout)
-    from prolip_jax.models.prolip import abstract_params
-
     return apply_rules(state_dict, conversion_rules(config, layout), abstract_params(config))
 
 
@@ -355,93 +349,6 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     except Exception as e:  # safetensors raises its own error types for corrupt headers
         raise ValueError(f"could not read {path} as safetensors: {e}") from e
     return out
-
-
-def save_hf(hf_dir: str | os.PathLike, params: Mapping[str, Any], config: ProLIPConfig,
-            overwrite: bool = False, tokenizer: Any = None, normalization: Any = None) -> Path:
-    """Writes `config.json` + `model.safetensors` loadable by `ProLIPHF.from_pretrained(hf_dir)`.
-
-    tokenizer: a `tokenizer_files.TokenizerFile` (the checkpoint's, `checkpoint.load_tokenizer_file`):
-      written into the folder (its file, `prolip_tokenizer.json`, and a `tokenizer.json` +
-      `tokenizer_config.json` for `AutoTokenizer`), and config.json's text_cfg then names the
-      folder itself (`hf_tokenizer_name: "."`, `tokenizer_kwargs: {"clean": ...}`) instead of
-      the model variant's default tokenizer (SigLIP's 32k vocabulary for a 1,000-row embedding).
-    normalization: a name of input_pipeline.transforms.NORMALIZATIONS (the training's
-      data.normalization) or a (mean, std) pair: written as `preprocessor_config.json`
-      (transformers' CLIPImageProcessor: bicubic resize + centre crop + that mean/std).
-
-    Everything is converted and checked first, then written into a temporary folder that is
-    renamed into place, so a failure never leaves a half-written folder. Files and the folder get
-    normal permissions (0644 / 0755 under the usual umask), not the temporary ones (0600 / 0700).
-    """
-    from safetensors.numpy import save_file
-
-    from prolip_jax import tokenizer_files
-
-    hf_dir = Path(hf_dir)
-    if hf_dir.exists() and any(hf_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{hf_dir} exists and is not empty (pass overwrite=True / --overwrite)")
-    state_dict = flax_to_torch(params, config)
-    config_dict = config.without_training_options().to_dict()  # SizeAugment: no reference key
-    hf_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{hf_dir.name}.tmp-", dir=hf_dir.parent))
-    try:
-        save_file(state_dict, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        if tokenizer is not None:
-            config_dict["text_cfg"].pop("hf_tokenizer_name", None)  # the variant's, not this model's
-            config_dict["text_cfg"].pop("tokenizer_kwargs", None)
-            config_dict["text_cfg"].update(tokenizer_files.write_hf_files(tmp, tokenizer))
-        if normalization is not None:
-            mean, std = normalization_mean_std(normalization)
-            (tmp / PREPROCESSOR_NAME).write_text(json.dumps(
-                tokenizer_files.preprocessor_config(config.vision.image_size, mean, std), indent=2) + "\n")
-        (tmp / CONFIG_NAME).write_text(json.dumps(config_dict, indent=2) + "\n")
-        # mkdtemp makes the folder 0700 and safetensors writes 0600: give them the modes of
-        # ordinary files, or nobody else (a serving user, a shared group) can read the export.
-        for f in tmp.iterdir():
-            tokenizer_files.chmod_default(f)
-        tokenizer_files.chmod_default(tmp)
-        if hf_dir.exists():
-            shutil.rmtree(hf_dir)
-        os.replace(tmp, hf_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return hf_dir
-
-
-def normalization_mean_std(normalization: Any) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """A NORMALIZATIONS name or a (mean, std) pair -> (mean, std)."""
-    from input_pipeline.transforms import NORMALIZATIONS
-
-    if isinstance(normalization, str):
-        if normalization not in NORMALIZATIONS:
-            raise ValueError(f"unknown normalization {normalization!r}; known: {sorted(NORMALIZATIONS)}")
-        normalization = NORMALIZATIONS[normalization]
-    mean, std = normalization
-    return tuple(float(x) for x in mean), tuple(float(x) for x in std)
-
-
-def load_hf_preprocessing(hf_dir: str | os.PathLike) -> tuple[Any, Any]:
-    """(the recorded tokenizer or None, the normalisation or None) of an exported folder:
-    `prolip_tokenizer.json` and `preprocessor_config.json` as `save_hf` writes them. The
-    normalisation is a NORMALIZATIONS name when the mean/std are one's, else a (mean, std) pair."""
-    from input_pipeline.transforms import NORMALIZATIONS
-    from prolip_jax import tokenizer_files
-
-    hf_dir = Path(hf_dir)
-    record = hf_dir / tokenizer_files.RECORD_NAME
-    tokenizer = (tokenizer_files.tokenizer_from_record(hf_dir, json.loads(record.read_text()))
-                 if record.is_file() else None)
-    normalization = None
-    pre = hf_dir / PREPROCESSOR_NAME
-    if pre.is_file():
-        cfg = json.loads(pre.read_text())
-        if "image_mean" in cfg and "image_std" in cfg:
-            pair = normalization_mean_std((cfg["image_mean"], cfg["image_std"]))
-            normalization = next((name for name, (m, s) in NORMALIZATIONS.items()
-                                  if np.allclose(m, pair[0], atol=1e-6) and np.allclose(s, pair[1], atol=1e-6)), pair)
-    return tokenizer, normalization
 
 
 def is_hf_dir(path: str | os.PathLike) -> bool:

@@ -7,15 +7,19 @@ host's rows, so a run gives the same global batches on any number of hosts.
 
 Before anything compiles, the tokenizer is checked against the model (`check_tokenizer`) and
 the masking ids against the tokenizer (`check_masking`); the iterator carries the tokenizer's
-file (`tokenizer_file`, a `prolip_jax.tokenizer_files.TokenizerFile`) for the checkpoints.
+file (`tokenizer_file`, an `input_pipeline.tokenizer_files.TokenizerFile`) for the checkpoints.
 """
 from __future__ import annotations
 
-import json
-from typing import Any
+import logging
+from typing import Any, Mapping
 
 import jax
 import numpy as np
+
+from input_pipeline.config import DataConfig
+from input_pipeline.pipeline import build_train_iterator, resolve_tokenizer
+from input_pipeline.tokenizer_files import TokenizerFile
 
 
 class RandomBatches:
@@ -69,67 +73,35 @@ class RandomBatches:
         pass
 
 
-class StateSnapshot:
-    """The iterator position frozen at save time, for grain's orbax checkpoint handler.
-
-    Orbax saves asynchronously; handing it the live iterator would record wherever the
-    iterator has moved on to by then. The handler calls `get_state()` (bytes) on save and
-    `set_state(bytes)` + `start_prefetch()` on restore.
-    """
-
-    def __init__(self, state: bytes | None = None):
-        self.state = state
-
-    @classmethod
-    def of(cls, iterator: Any) -> "StateSnapshot":
-        return cls(json.dumps(iterator.get_state()).encode())
-
-    def get_state(self) -> bytes:
-        return self.state
-
-    def set_state(self, state: bytes) -> None:
-        self.state = state
-
-    def start_prefetch(self) -> None:
-        pass
-
-    def restore_into(self, iterator: Any) -> None:
-        iterator.set_state(json.loads(self.state.decode()))
-
-
-def build_train_data(config, model_config) -> Any:
-    """This host's training batches for `config` (see configs/)."""
-    d = config.data
-    if d.source == "random":
-        return RandomBatches(config.batch_size, d.image_size, model_config.text.context_length,
-                             model_config.text.vocab_size, seed=config.seed)
-    from input_pipeline.config import DataConfig
-    from input_pipeline.pipeline import build_train_iterator, resolve_tokenizer
-
-    data_cfg = {k: v for k, v in d.to_dict().items()}
-    data_cfg["batch_size"] = config.batch_size
-    data_cfg.setdefault("seed", config.seed)
-    if d.source in ("tar", "array_record") and not d.path:
-        raise ValueError(f"data.source={d.source!r} needs data.path (files, globs or a brace pattern such "
+def build_train_data(tc: Any, model_config: Any, scfg: Any) -> Any:
+    """This host's training batches for `tc` (prolip_jax.train.TrainConfig; see configs/), with
+    the step's masking settings `scfg` (prolip_jax.step.StepConfig)."""
+    d = tc.data
+    run = tc.run
+    if d["source"] == "random":
+        return RandomBatches(run.batch_size, d["image_size"], model_config.text.context_length,
+                             model_config.text.vocab_size, seed=run.seed)
+    data_cfg = {**d, "batch_size": run.batch_size}
+    data_cfg.setdefault("seed", run.seed)
+    if d["source"] in ("tar", "array_record") and not d.get("path"):
+        raise ValueError(f"data.source={d['source']!r} needs data.path (files, globs or a brace pattern such "
                          "as 'shards/{00000..00009}.tar')")
-    if data_cfg.get("tokenizer") and not data_cfg["tokenizer"].get("path") and d.source != "demo":
-        raise ValueError(f"data.source={d.source!r} needs data.tokenizer.path (a tokenizer file; "
+    if data_cfg.get("tokenizer") and not data_cfg["tokenizer"].get("path") and d["source"] != "demo":
+        raise ValueError(f"data.source={d['source']!r} needs data.tokenizer.path (a tokenizer file; "
                          "see input_pipeline/tokenizers.py for the kinds and where files come from)")
-    if d.source == "demo":
+    if d["source"] == "demo":
         data_cfg.pop("tokenizer", None)
-        data_cfg["demo"] = demo_kwargs(config, model_config)
+        data_cfg["demo"] = demo_kwargs(d, model_config)
     elif data_cfg.get("tokenizer"):
         data_cfg["tokenizer"] = {"context_length": model_config.text.context_length, **data_cfg["tokenizer"]}
-    tokenizer = resolve_tokenizer(DataConfig.from_mapping(data_cfg), None)
+    data_config = DataConfig.from_mapping(data_cfg)  # the pipeline's typed config, built once here
+    tokenizer = resolve_tokenizer(data_config, None)
     check_tokenizer(tokenizer, model_config)
-    masking = config.get("masking")
-    if masking_in_use(config):
-        check_masking(tokenizer, masking, model_config.text.vocab_size)
-    it = build_train_iterator(data_cfg, tokenizer)
+    if scfg.masks_text:
+        check_masking(tokenizer, tc.masking, model_config.text.vocab_size)
+    it = build_train_iterator(data_config, tokenizer)
     # The checkpoints record this file (checkpoint.save_train_state): the model travels with it.
-    from prolip_jax.tokenizer_files import TokenizerFile
-
-    it.tokenizer_file = TokenizerFile.of(tokenizer, masking)
+    it.tokenizer_file = TokenizerFile.of(tokenizer, tc.masking)
     return it
 
 
@@ -143,24 +115,6 @@ def check_tokenizer(tokenizer: Any, model_config) -> None:
     if tokenizer.context_length > t.context_length:
         raise ValueError(f"the tokenizer's context_length {tokenizer.context_length} exceeds the model's "
                          f"{t.context_length}")
-
-
-def masking_in_use(config) -> bool:
-    """Whether the run replaces text tokens by masking.mask_token_id (ProLIP's masked forward):
-    a masked share of rows, a text mask probability, and an objective that uses it."""
-    m = config.get("masking")
-    if not m or not m.get("fraction") or not m.get("text_mask_prob"):
-        return False
-    loss = config.get("loss")
-    name = loss.get("objective") if loss is not None else None
-    if not name:
-        return True
-    from prolip_jax import objectives
-
-    try:
-        return bool(getattr(objectives.get(name), "USES_MASKED", True))
-    except (ValueError, ImportError):  # an unknown objective is reported by the config check
-        return True
 
 
 def _describe(tokenizer: Any, token_id: int) -> str:
@@ -187,8 +141,8 @@ def check_masking(tokenizer: Any, masking: Any, model_vocab_size: int | None = N
     (tests' stand-ins, the demo's) are not checked."""
     if not hasattr(tokenizer, "token_kind"):
         return
-    mask = int(masking["mask_token_id"])
-    protected = tuple(int(i) for i in masking["protected_ids"])
+    mask = int(masking.mask_token_id)
+    protected = tuple(int(i) for i in masking.protected_ids)
     pad, eos = tokenizer.pad_id, getattr(tokenizer, "eos_id", None)
     name = _tokenizer_name(tokenizer)
     # Ids free for [MASK]: reserved specials no text encodes to, else the first id past the
@@ -212,8 +166,6 @@ def check_masking(tokenizer: Any, masking: Any, model_vocab_size: int | None = N
     if problem and kind == "normal" and not named:
         # No id to spare (e.g. the OpenAI CLIP BPE vocabulary fills the embedding exactly):
         # a rarely used piece is the only choice, as configs/prolip_b16_datacomp.py's H/14.
-        import logging
-
         logging.warning("%s; the tokenizer has no reserved id to use instead, so it is kept.", problem)
         problem = None
     if problem:
@@ -234,8 +186,9 @@ def check_masking(tokenizer: Any, masking: Any, model_vocab_size: int | None = N
                          f"--config.masking.protected_ids='{tuple(i for i in protected if i not in words)}'")
 
 
-def demo_kwargs(config, model_config) -> dict[str, Any]:
-    """`input_pipeline.demo.get_demo` kwargs of a `data.source="demo"` run: `data.demo` with the
-    model's context length (part of the cache key), so whoever else opens the run's dataset
-    (scripts/demo.py, its evaluation) finds the same cache folder."""
-    return {"context_length": model_config.text.context_length, **config.data.to_dict().get("demo", {})}
+def demo_kwargs(data: Mapping[str, Any], model_config) -> dict[str, Any]:
+    """`input_pipeline.demo.get_demo` kwargs of a `data.source="demo"` run: `data.demo` (the
+    trainer's `config.data` as a dict) with the model's context length (part of the cache key),
+    so whoever else opens the run's dataset (scripts/demo.py, its evaluation) finds the same
+    cache folder."""
+    return {"context_length": model_config.text.context_length, **(data.get("demo") or {})}

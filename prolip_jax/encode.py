@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from prolip_jax.models.prolip import ProLIP
+from prolip_jax.normalization import normalize_on_device
 
 Progress = Callable[[int], None]
 
@@ -45,8 +46,6 @@ class Encoder:
 
         def image_fn(params, images, keep_idx=None):
             if images.dtype == jnp.uint8:
-                from input_pipeline.transforms import normalize_on_device
-
                 images = normalize_on_device(images, normalization)
             return model.apply({"params": params}, images, keep_idx, method=ProLIP.encode_image)
 

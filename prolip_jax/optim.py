@@ -7,8 +7,7 @@ wd 0.2) excluding parameters with ndim < 2 or whose name contains "bn", "ln", "b
 "logit_scale"; lr = base * (step + 1) / warmup during warm-up, then a cosine to 0; no gradient
 clipping by default; `logit_scale` clamped to [0, ln 100] after every step.
 
-Fine-tuning controls (fields of `config.optim`, defaults in FINETUNE_DEFAULTS, unlock_warmup_steps's
-in RECIPE_DEFAULTS). Patterns are Python regular expressions searched (`re.search`) in the '/'-joined
+Fine-tuning controls (fields of `OptimConfig`, `config.optim`, checked by its `validate`). Patterns are Python regular expressions searched (`re.search`) in the '/'-joined
 parameter path, e.g.
 `visual/transformer/resblocks_3/attn/query_kernel`, `text/token_embedding`, `logit_scale`.
 - locked: patterns of parameters that are not trained: they get no optimiser state (no Adam moments)
@@ -77,6 +76,8 @@ import jax.numpy as jnp
 import optax
 import optax.tree_utils as otu
 
+from prolip_jax import schema
+
 NO_DECAY_SUBSTRINGS = ("bn", "ln", "bias", "logit_scale")
 MAX_LOGIT_SCALE = math.log(100.0)
 
@@ -113,16 +114,101 @@ class OptimConfig:
     swa_start_step: int = 0  # the first averaged parameters: those after this many updates
     swa_every_steps: int = 0  # then every this many updates; 0: no weight averaging
 
+    @classmethod
+    def of(cls, section: Mapping[str, Any] | None) -> "OptimConfig":
+        """`config.optim` (a ConfigDict or a dict; missing fields take their defaults), typed and
+        checked: what the trainer does once at start-up, for callers that hold a dict."""
+        return schema.parse(cls, section, "config.optim")
+
+    @property
+    def lock(self) -> tuple[str, ...]:
+        """`locked` as a tuple of patterns."""
+        return (self.locked,) if isinstance(self.locked, str) else tuple(self.locked or ())
+
+    @property
+    def finetuning(self) -> bool:
+        """Whether any fine-tuning control is set (they need the parameter tree)."""
+        return bool(self.lock or self.groups or self.layer_decay != 1.0)
+
+    def with_layout_of(self, saved: Mapping[str, Any]) -> "OptimConfig":
+        """This config with the LAYOUT_FIELDS of `saved` (a checkpoint's recorded `optim`; a field
+        it lacks was saved with its default): the optimiser whose state layout that checkpoint has."""
+        default = OptimConfig()
+        return OptimConfig.of({**dataclasses.asdict(self),
+                               **{k: saved.get(k, getattr(default, k)) for k in LAYOUT_FIELDS}})
+
     def validate(self) -> None:
+        """One-line ValueErrors naming the field (schema.parse has checked types and choices)."""
         if self.lr < 0 or self.warmup_steps < 0:
             raise ValueError(f"config.optim.lr and warmup_steps must be >= 0, got {self.lr}, {self.warmup_steps}")
-        finetune_config(dataclasses.asdict(self))
-        recipe_config(dataclasses.asdict(self))
+        self._validate_finetuning()
+        self._validate_recipe()
+
+    def _validate_finetuning(self) -> None:
+        for p in self.lock:
+            _compile(p, "optim.locked")
+        unlock_step = self.unlock_step
+        if isinstance(unlock_step, bool) or not isinstance(unlock_step, int) or unlock_step < 0:
+            raise ValueError(f"optim.unlock_step must be an integer >= 0 (0: never unlock), got {unlock_step!r}")
+        if unlock_step and not self.lock:
+            raise ValueError(f"optim.unlock_step={unlock_step} has no effect without optim.locked patterns")
+        for i, g in enumerate(self.groups or ()):
+            if not isinstance(g, Mapping):
+                raise ValueError(f"optim.groups[{i}] must be a dict(pattern=..., lr_mult=..., weight_decay=...), got {g!r}")
+            unknown = sorted(set(g) - set(GROUP_KEYS))
+            if unknown or "pattern" not in g:
+                raise ValueError(f"optim.groups[{i}] has keys {sorted(g)}; expected 'pattern' and optionally "
+                                 f"'lr_mult', 'weight_decay'")
+            _compile(g["pattern"], f"optim.groups[{i}].pattern")
+            for key in ("lr_mult", "weight_decay"):
+                v = g.get(key)
+                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0
+                                      or math.isinf(v)):
+                    raise ValueError(f"optim.groups[{i}].{key} must be a finite number >= 0, got {v!r}")
+        d = self.layer_decay
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 < d < math.inf:
+            raise ValueError(f"optim.layer_decay must be a number > 0 (1: no layer-wise decay), got {d!r}")
+
+    def _validate_recipe(self) -> None:
+        for key in ("unlock_warmup_steps", "swa_start_step", "swa_every_steps", "cosine_steps"):
+            if not _is_int(getattr(self, key)) or getattr(self, key) < 0:
+                raise ValueError(f"optim.{key} must be an integer >= 0, got {getattr(self, key)!r}")
+        if self.unlock_warmup_steps and not self.unlock_step:
+            raise ValueError(f"optim.unlock_warmup_steps={self.unlock_warmup_steps} has no effect without "
+                             f"optim.unlock_step (and optim.locked)")
+        if self.unlock_warmup_form != "lr" and not self.unlock_warmup_steps:
+            raise ValueError(f"optim.unlock_warmup_form={self.unlock_warmup_form!r} has no effect without "
+                             f"optim.unlock_warmup_steps")
+        if not _is_number(self.adamp_delta) or self.adamp_delta <= 0:
+            raise ValueError(f"optim.adamp_delta must be a finite number > 0, got {self.adamp_delta!r}")
+        if not _is_number(self.adamp_wd_ratio) or self.adamp_wd_ratio < 0:
+            raise ValueError(f"optim.adamp_wd_ratio must be a finite number >= 0, got {self.adamp_wd_ratio!r}")
+        if self.adamp_nesterov and self.name != "adamp":
+            raise ValueError(f"optim.adamp_nesterov=True has no effect with optim.name={self.name!r}")
+        if (self.schedule == "cosine_phases") != (self.cosine_steps > 0):
+            raise ValueError(f"optim.cosine_steps={self.cosine_steps} goes with optim.schedule='cosine_phases' "
+                             f"(its cosine's period, > 0) and only with it; got optim.schedule={self.schedule!r}")
+        bounds = self.step_boundaries
+        for b in bounds:
+            if not ((_is_int(b) and b > 0) or (isinstance(b, float) and 0.0 < b < 1.0)):
+                raise ValueError(f"optim.step_boundaries must hold global steps (integers > 0) or fractions of "
+                                 f"total_steps (floats in (0, 1)), got {list(bounds)!r}")
+        if bounds and self.schedule not in ("step", "cosine_phases"):
+            raise ValueError(f"optim.step_boundaries={list(bounds)} has no effect with optim.schedule={self.schedule!r}")
+        if not _is_number(self.step_factor) or self.step_factor <= 0:
+            raise ValueError(f"optim.step_factor must be a finite number > 0, got {self.step_factor!r}")
+        if self.swa_start_step and not self.swa_every_steps:
+            raise ValueError(f"optim.swa_start_step={self.swa_start_step} has no effect without optim.swa_every_steps")
 
 
-# The fine-tuning fields of `config.optim` and their defaults.
-FINETUNE_DEFAULTS = {k: getattr(OptimConfig(), k) for k in ("locked", "unlock_step", "groups", "layer_decay")}
 GROUP_KEYS = ("pattern", "lr_mult", "weight_decay")
+# The fields a checkpoint's optimiser state layout depends on (locked, unlock_step, groups,
+# layer_decay, name, swa_every_steps), and the ones that must come with them for the merged
+# config to validate: a checkpoint saved under other fine-tuning controls is restored in its own
+# layout (OptimConfig.with_layout_of), then its Adam moments move over (transfer_state).
+LAYOUT_FIELDS = ("locked", "unlock_step", "groups", "layer_decay", "unlock_warmup_steps", "unlock_warmup_form",
+                 "name", "adamp_delta", "adamp_wd_ratio", "adamp_nesterov", "schedule", "step_boundaries",
+                 "step_factor", "cosine_steps", "swa_start_step", "swa_every_steps")
 
 # Parameters before the first transformer block of a tower (layer-wise lr decay's "layer 0").
 STEM_NAMES = frozenset({"patch_kernel", "patch_bias", "positional_embedding", "class_embedding",
@@ -221,18 +307,16 @@ def boundary_steps(boundaries: Sequence[int | float], total_steps: int) -> tuple
     return steps
 
 
-def make_schedule(config: Mapping[str, Any], total_steps: int) -> Callable:
+def make_schedule(cfg: OptimConfig, total_steps: int) -> Callable:
     """The lr schedule of `config.optim` (optim.schedule)."""
-    r = recipe_config(config)
     if total_steps <= 0:
         raise ValueError(f"total_steps must be positive, got {total_steps}")
-    if r.schedule == "step":
-        return warmup_step(config["lr"], config["warmup_steps"], boundary_steps(r.step_boundaries, total_steps),
-                           r.step_factor)
-    if r.schedule == "cosine_phases":
-        return warmup_cosine_phases(config["lr"], config["warmup_steps"], r.cosine_steps,
-                                    boundary_steps(r.step_boundaries, total_steps), r.step_factor)
-    return warmup_cosine(config["lr"], config["warmup_steps"], total_steps, config.get("end_lr", 0.0))
+    if cfg.schedule == "step":
+        return warmup_step(cfg.lr, cfg.warmup_steps, boundary_steps(cfg.step_boundaries, total_steps), cfg.step_factor)
+    if cfg.schedule == "cosine_phases":
+        return warmup_cosine_phases(cfg.lr, cfg.warmup_steps, cfg.cosine_steps,
+                                    boundary_steps(cfg.step_boundaries, total_steps), cfg.step_factor)
+    return warmup_cosine(cfg.lr, cfg.warmup_steps, total_steps, cfg.end_lr)
 
 
 # ------------------------------------------------------------------------------- paths
@@ -264,23 +348,7 @@ def decay_mask(params: Any) -> Any:
     return _map_with_path(_decays, params)
 
 
-# ------------------------------------------------------------------------ config parsing
-class Finetune(NamedTuple):
-    """The validated fine-tuning fields of `config.optim` (see FINETUNE_DEFAULTS)."""
-    lock: tuple[str, ...]
-    unlock_step: int
-    groups: tuple[dict, ...]
-    layer_decay: float
-
-    @property
-    def active(self) -> bool:
-        return bool(self.lock or self.groups or self.layer_decay != 1.0)
-
-
-def _plain(x):
-    return x.to_dict() if hasattr(x, "to_dict") else x  # ml_collections.ConfigDict -> dict
-
-
+# ------------------------------------------------------------------------ config helpers
 def _compile(pattern: Any, what: str) -> re.Pattern:
     if not isinstance(pattern, str) or not pattern:
         raise ValueError(f"{what}: a pattern must be a non-empty string (a regular expression), got {pattern!r}")
@@ -288,63 +356,6 @@ def _compile(pattern: Any, what: str) -> re.Pattern:
         return re.compile(pattern)
     except re.error as e:
         raise ValueError(f"{what}: {pattern!r} is not a valid regular expression ({e})") from None
-
-
-def finetune_config(config: Mapping[str, Any]) -> Finetune:
-    """The fine-tuning fields of `config` (missing ones take FINETUNE_DEFAULTS), checked; ValueError if bad."""
-    c = {**FINETUNE_DEFAULTS, **{k: _plain(config[k]) for k in FINETUNE_DEFAULTS if k in config}}
-    lock = (c["locked"],) if isinstance(c["locked"], str) else tuple(c["locked"] or ())
-    for p in lock:
-        _compile(p, "optim.locked")
-    unlock_step = c["unlock_step"]
-    if isinstance(unlock_step, bool) or not isinstance(unlock_step, int) or unlock_step < 0:
-        raise ValueError(f"optim.unlock_step must be an integer >= 0 (0: never unlock), got {unlock_step!r}")
-    if unlock_step and not lock:
-        raise ValueError(f"optim.unlock_step={unlock_step} has no effect without optim.locked patterns")
-    groups = []
-    for i, g in enumerate(c["groups"] or ()):
-        g = _plain(g)
-        if not isinstance(g, Mapping):
-            raise ValueError(f"optim.groups[{i}] must be a dict(pattern=..., lr_mult=..., weight_decay=...), got {g!r}")
-        unknown = sorted(set(g) - set(GROUP_KEYS))
-        if unknown or "pattern" not in g:
-            raise ValueError(f"optim.groups[{i}] has keys {sorted(g)}; expected 'pattern' and optionally "
-                             f"'lr_mult', 'weight_decay'")
-        _compile(g["pattern"], f"optim.groups[{i}].pattern")
-        for key in ("lr_mult", "weight_decay"):
-            v = g.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0
-                                  or math.isinf(v)):
-                raise ValueError(f"optim.groups[{i}].{key} must be a finite number >= 0, got {v!r}")
-        groups.append(dict(g))
-    d = c["layer_decay"]
-    if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 < d < math.inf:
-        raise ValueError(f"optim.layer_decay must be a number > 0 (1: no layer-wise decay), got {d!r}")
-    return Finetune(lock, unlock_step, tuple(groups), float(d))
-
-
-class Recipe(NamedTuple):
-    """The validated recipe fields of `config.optim` (see RECIPE_DEFAULTS)."""
-    unlock_warmup_steps: int
-    unlock_warmup_form: str
-    name: str
-    adamp_delta: float
-    adamp_wd_ratio: float
-    adamp_nesterov: bool
-    schedule: str
-    step_boundaries: tuple
-    step_factor: float
-    cosine_steps: int
-    swa_start_step: int
-    swa_every_steps: int
-
-
-# The recipe fields (module docstring, named once: Recipe's fields) and their OptimConfig defaults.
-RECIPE_DEFAULTS = {k: getattr(OptimConfig(), k) for k in Recipe._fields}
-# The fields a checkpoint's optimiser (its opt_state's layout) is rebuilt from: a checkpoint saved
-# without one of them was saved with its default. (Only locked, unlock_step, groups, layer_decay,
-# name and swa_every_steps change the layout; the others are here so the merged config is valid.)
-LAYOUT_DEFAULTS = {**FINETUNE_DEFAULTS, **RECIPE_DEFAULTS}
 
 
 def _is_int(v) -> bool:
@@ -355,50 +366,6 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def recipe_config(config: Mapping[str, Any]) -> Recipe:
-    """The recipe fields of `config` (missing ones take RECIPE_DEFAULTS), checked; ValueError if bad."""
-    c = {**RECIPE_DEFAULTS, **{k: _plain(config[k]) for k in RECIPE_DEFAULTS if k in config}}
-    for key in ("unlock_warmup_steps", "swa_start_step", "swa_every_steps", "cosine_steps"):
-        if not _is_int(c[key]) or c[key] < 0:
-            raise ValueError(f"optim.{key} must be an integer >= 0, got {c[key]!r}")
-    if c["unlock_warmup_steps"] and not config.get("unlock_step"):
-        raise ValueError(f"optim.unlock_warmup_steps={c['unlock_warmup_steps']} has no effect without "
-                         f"optim.unlock_step (and optim.locked)")
-    if c["unlock_warmup_form"] not in ("lr", "loss"):
-        raise ValueError(f"optim.unlock_warmup_form must be 'lr' or 'loss', got {c['unlock_warmup_form']!r}")
-    if c["unlock_warmup_form"] != "lr" and not c["unlock_warmup_steps"]:
-        raise ValueError(f"optim.unlock_warmup_form={c['unlock_warmup_form']!r} has no effect without "
-                         f"optim.unlock_warmup_steps")
-    if c["name"] not in ("adamw", "adamp"):
-        raise ValueError(f"optim.name must be 'adamw' or 'adamp', got {c['name']!r}")
-    if not _is_number(c["adamp_delta"]) or c["adamp_delta"] <= 0:
-        raise ValueError(f"optim.adamp_delta must be a finite number > 0, got {c['adamp_delta']!r}")
-    if not _is_number(c["adamp_wd_ratio"]) or c["adamp_wd_ratio"] < 0:
-        raise ValueError(f"optim.adamp_wd_ratio must be a finite number >= 0, got {c['adamp_wd_ratio']!r}")
-    if not isinstance(c["adamp_nesterov"], bool):
-        raise ValueError(f"optim.adamp_nesterov must be True or False, got {c['adamp_nesterov']!r}")
-    if c["adamp_nesterov"] and c["name"] != "adamp":
-        raise ValueError(f"optim.adamp_nesterov=True has no effect with optim.name={c['name']!r}")
-    if c["schedule"] not in ("warmup_cosine", "step", "cosine_phases"):
-        raise ValueError(f"optim.schedule must be 'warmup_cosine', 'step' or 'cosine_phases', got {c['schedule']!r}")
-    if (c["schedule"] == "cosine_phases") != (c["cosine_steps"] > 0):
-        raise ValueError(f"optim.cosine_steps={c['cosine_steps']} goes with optim.schedule='cosine_phases' "
-                         f"(its cosine's period, > 0) and only with it; got optim.schedule={c['schedule']!r}")
-    bounds = (c["step_boundaries"],) if not isinstance(c["step_boundaries"], (tuple, list)) else c["step_boundaries"]
-    for b in bounds:
-        if not ((_is_int(b) and b > 0) or (isinstance(b, float) and 0.0 < b < 1.0)):
-            raise ValueError(f"optim.step_boundaries must hold global steps (integers > 0) or fractions of "
-                             f"total_steps (floats in (0, 1)), got {list(bounds)!r}")
-    if bounds and c["schedule"] not in ("step", "cosine_phases"):
-        raise ValueError(f"optim.step_boundaries={list(bounds)} has no effect with optim.schedule={c['schedule']!r}")
-    if not _is_number(c["step_factor"]) or c["step_factor"] <= 0:
-        raise ValueError(f"optim.step_factor must be a finite number > 0, got {c['step_factor']!r}")
-    if c["swa_start_step"] and not c["swa_every_steps"]:
-        raise ValueError(f"optim.swa_start_step={c['swa_start_step']} has no effect without optim.swa_every_steps")
-    return Recipe(**{**c, "step_boundaries": tuple(bounds), "adamp_delta": float(c["adamp_delta"]),
-                     "adamp_wd_ratio": float(c["adamp_wd_ratio"]), "step_factor": float(c["step_factor"])})
-
-
 def _check_matches(pattern: str, paths: Sequence[str], what: str) -> None:
     if not any(re.search(pattern, p) for p in paths):
         examples = ", ".join(paths[:: max(len(paths) // 5, 1)][:5])
@@ -406,39 +373,37 @@ def _check_matches(pattern: str, paths: Sequence[str], what: str) -> None:
 
 
 # --------------------------------------------------------------------- per-leaf settings
-def _is_locked_by_pattern(ft: Finetune, path: str) -> bool:
-    return any(re.search(p, path) for p in ft.lock)
+def _is_locked_by_pattern(cfg: OptimConfig, path: str) -> bool:
+    return any(re.search(p, path) for p in cfg.lock)
 
 
-def _phase_locks(ft: Finetune, step: int) -> bool:
+def _phase_locks(cfg: OptimConfig, step: int) -> bool:
     """Whether the lock patterns are in force at global step `step`."""
-    return bool(ft.lock) and (ft.unlock_step == 0 or step < ft.unlock_step)
+    return bool(cfg.lock) and (cfg.unlock_step == 0 or step < cfg.unlock_step)
 
 
-def rebuild_steps(config: Mapping[str, Any]) -> tuple[int, ...]:
+def rebuild_steps(cfg: OptimConfig) -> tuple[int, ...]:
     """Global steps at which the trainer must rebuild the optimiser (make_optimizer(..., step=s)
     and transfer_state): the unlock step, if any."""
-    ft = finetune_config(config)
-    return (ft.unlock_step,) if ft.lock and ft.unlock_step else ()
+    return (cfg.unlock_step,) if cfg.lock and cfg.unlock_step else ()
 
 
-def trainable_mask(params: Any, config: Mapping[str, Any], step: int = 0) -> Any:
+def trainable_mask(params: Any, cfg: OptimConfig, step: int = 0) -> Any:
     """Tree of bool like `params`: False for the parameters locked at global step `step`.
 
     The train step differentiates only the True leaves (see `partition`); works on abstract params."""
-    ft = finetune_config(config)
     paths = param_paths(params)
-    for p in ft.lock:
+    for p in cfg.lock:
         _check_matches(p, paths, "optim.locked")
-    if ft.lock and all(_is_locked_by_pattern(ft, p) for p in paths):
-        raise ValueError(f"optim.locked {list(ft.lock)} locks every parameter; nothing would be trained")
-    locks = _phase_locks(ft, step)
-    return _map_with_path(lambda path, _: not (locks and _is_locked_by_pattern(ft, path)), params)
+    if cfg.lock and all(_is_locked_by_pattern(cfg, p) for p in paths):
+        raise ValueError(f"optim.locked {list(cfg.lock)} locks every parameter; nothing would be trained")
+    locks = _phase_locks(cfg, step)
+    return _map_with_path(lambda path, _: not (locks and _is_locked_by_pattern(cfg, path)), params)
 
 
-def locked_paths(params: Any, config: Mapping[str, Any], step: int = 0) -> list[str]:
+def locked_paths(params: Any, cfg: OptimConfig, step: int = 0) -> list[str]:
     """The '/'-paths of the parameters locked at global step `step` (what the checkpoint records)."""
-    mask = trainable_mask(params, config, step)
+    mask = trainable_mask(params, cfg, step)
     return [p for p, trainable in zip(param_paths(params), jax.tree.leaves(mask)) if not trainable]
 
 
@@ -468,24 +433,22 @@ def layer_decay_multipliers(params: Any, layer_decay: float) -> Any:
     return _map_with_path(mult, params)
 
 
-def _group_of(ft: Finetune, path: str) -> dict:
-    return next((g for g in ft.groups if re.search(g["pattern"], path)), {})
+def _group_of(cfg: OptimConfig, path: str) -> Mapping[str, Any]:
+    return next((g for g in cfg.groups if re.search(g["pattern"], path)), {})
 
 
-def lr_multipliers(params: Any, config: Mapping[str, Any]) -> Any:
+def lr_multipliers(params: Any, cfg: OptimConfig) -> Any:
     """Tree of float like `params`: group lr_mult x layer-wise decay multiplier."""
-    ft = finetune_config(config)
-    layer = jax.tree.leaves(layer_decay_multipliers(params, ft.layer_decay))
-    mults = [float(_group_of(ft, p).get("lr_mult", 1.0)) * m for p, m in zip(param_paths(params), layer)]
+    layer = jax.tree.leaves(layer_decay_multipliers(params, float(cfg.layer_decay)))
+    mults = [float(_group_of(cfg, p).get("lr_mult", 1.0)) * m for p, m in zip(param_paths(params), layer)]
     return jax.tree.unflatten(jax.tree.structure(params), mults)
 
 
-def weight_decays(params: Any, config: Mapping[str, Any]) -> Any:
+def weight_decays(params: Any, cfg: OptimConfig) -> Any:
     """Tree of float like `params`: the group's (or base) weight decay where the reference mask allows it, else 0."""
-    ft = finetune_config(config)
-    base = float(config["weight_decay"])
+    base = float(cfg.weight_decay)
     return _map_with_path(
-        lambda p, x: float(_group_of(ft, p).get("weight_decay", base)) if _decays(p, x) else 0.0, params)
+        lambda p, x: float(_group_of(cfg, p).get("weight_decay", base)) if _decays(p, x) else 0.0, params)
 
 
 # -------------------------------------------------------------------------------- AdamP
@@ -681,7 +644,7 @@ def scale_by_loss_ramp(start: int, steps: int) -> optax.GradientTransformation:
 
 
 # ---------------------------------------------------------------------------- optimiser
-def make_optimizer(config: Mapping[str, Any], total_steps: int, params: Any = None,
+def make_optimizer(cfg: OptimConfig, total_steps: int, params: Any = None,
                    step: int = 0) -> tuple[optax.GradientTransformation, Callable]:
     """(optax transformation, lr schedule) from `config.optim` (see configs/ and the module docstring).
 
@@ -697,22 +660,21 @@ def make_optimizer(config: Mapping[str, Any], total_steps: int, params: Any = No
     optim.unlock_warmup_steps: from unlock_step the lr stage ramps the unlocked parameters' lr, or
     (unlock_warmup_form "loss") scale_by_loss_ramp, first, scales every gradient.
     optim.swa_every_steps: swa(...) last (its state: the running average of the parameters)."""
-    ft, r = finetune_config(config), recipe_config(config)
-    schedule = make_schedule(config, total_steps)
+    schedule = make_schedule(cfg, total_steps)
     parts = []
-    if config.get("clip_norm"):
-        parts.append(optax.clip_by_global_norm(config["clip_norm"]))
-    adamp = r.name == "adamp"
+    if cfg.clip_norm:
+        parts.append(optax.clip_by_global_norm(cfg.clip_norm))
+    adamp = cfg.name == "adamp"
 
     def adam(weight_decay: float | Callable = 0.0) -> optax.GradientTransformation:
         if adamp:  # torch's AdamP defaults are (0.9, 0.999), 1e-8; the config's values are used
-            return scale_by_adamp(b1=config["b1"], b2=config["b2"], eps=config["eps"], delta=r.adamp_delta,
-                                  wd_ratio=r.adamp_wd_ratio, nesterov=r.adamp_nesterov, weight_decay=weight_decay)
-        return optax.scale_by_adam(b1=config["b1"], b2=config["b2"], eps=config["eps"])
+            return scale_by_adamp(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, delta=cfg.adamp_delta,
+                                  wd_ratio=cfg.adamp_wd_ratio, nesterov=cfg.adamp_nesterov, weight_decay=weight_decay)
+        return optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
 
-    averaging = [swa(r.swa_start_step, r.swa_every_steps)] if r.swa_every_steps else []
-    if not ft.active:
-        wd = config["weight_decay"]
+    averaging = [swa(cfg.swa_start_step, cfg.swa_every_steps)] if cfg.swa_every_steps else []
+    if not cfg.finetuning:
+        wd = cfg.weight_decay
         if adamp:
             parts += [adam(lambda path, x: wd if _decays(path, x) else 0.0)]
         else:
@@ -723,17 +685,17 @@ def make_optimizer(config: Mapping[str, Any], total_steps: int, params: Any = No
     if params is None:
         raise ValueError("optim.locked / optim.groups / optim.layer_decay need the parameter tree: "
                          "make_optimizer(config, total_steps, params)")
-    for i, g in enumerate(ft.groups):
+    for i, g in enumerate(cfg.groups):
         _check_matches(g["pattern"], param_paths(params), f"optim.groups[{i}]")
 
     paths = param_paths(params)
-    trainable = jax.tree.leaves(trainable_mask(params, config, step))
+    trainable = jax.tree.leaves(trainable_mask(params, cfg, step))
     # Adam state per partition: a parameter unlocked later gets its own Adam count, from 0.
-    from_start = jax.tree.leaves(trainable_mask(params, config, 0))
+    from_start = jax.tree.leaves(trainable_mask(params, cfg, 0))
     adam_labels = [LOCKED if not t else ADAM if s else ADAM_UNLOCKED for t, s in zip(trainable, from_start)]
     # Stateless per-leaf settings, one label per distinct (lr_mult, wd) pair; names stay checkpoint-safe.
-    decays = jax.tree.leaves(weight_decays(params, config))
-    settings = list(zip(jax.tree.leaves(lr_multipliers(params, config)), [0.0] * len(decays) if adamp else decays))
+    decays = jax.tree.leaves(weight_decays(params, cfg))
+    settings = list(zip(jax.tree.leaves(lr_multipliers(params, cfg)), [0.0] * len(decays) if adamp else decays))
     distinct = sorted({s for s, t in zip(settings, trainable) if t})
     scale_labels = [f"scale{distinct.index(s)}" if t else LOCKED for s, t in zip(settings, trainable)]
 
@@ -748,10 +710,10 @@ def make_optimizer(config: Mapping[str, Any], total_steps: int, params: Any = No
                LOCKED: optax.set_to_zero()}
     scale_tx = {f"scale{k}": scaling(*s) for k, s in enumerate(distinct)} | {LOCKED: optax.set_to_zero()}
     unlocked = frozenset(p for p, label in zip(paths, adam_labels) if label == ADAM_UNLOCKED)
-    if r.unlock_warmup_steps and r.unlock_warmup_form == "loss":  # the code of PCME++ / VSE∞
-        parts.insert(0, scale_by_loss_ramp(ft.unlock_step, r.unlock_warmup_steps))  # in every phase: same layout
-    if r.unlock_warmup_steps and unlocked and r.unlock_warmup_form == "lr":  # PCME++ App. B.2's words
-        lr_stage = _scale_by_lr_with_ramp(schedule, unlocked, ft.unlock_step, r.unlock_warmup_steps)
+    if cfg.unlock_warmup_steps and cfg.unlock_warmup_form == "loss":  # the code of PCME++ / VSE∞
+        parts.insert(0, scale_by_loss_ramp(cfg.unlock_step, cfg.unlock_warmup_steps))  # in every phase: same layout
+    if cfg.unlock_warmup_steps and unlocked and cfg.unlock_warmup_form == "lr":  # PCME++ App. B.2's words
+        lr_stage = _scale_by_lr_with_ramp(schedule, unlocked, cfg.unlock_step, cfg.unlock_warmup_steps)
     else:
         lr_stage = optax.scale_by_learning_rate(schedule)
     parts += [

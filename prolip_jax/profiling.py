@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 
@@ -28,11 +28,6 @@ class ProfileConfig:
     """config.profile: trace `num_steps` steps after step `start_step` (0 steps: no trace)."""
     start_step: int = 10
     num_steps: int = 0
-
-    @classmethod
-    def from_config(cls, section: Mapping[str, Any]) -> "ProfileConfig":
-        section = section.to_dict() if hasattr(section, "to_dict") else dict(section)
-        return cls(**section)
 
     def validate(self) -> None:
         """ValueError for a negative or non-integer setting."""

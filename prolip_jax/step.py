@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from input_pipeline.transforms import normalize_on_device
+from prolip_jax.normalization import normalize_on_device
 from prolip_jax import objectives, sharding
 from prolip_jax.objectives import prolip as prolip_objective
 from prolip_jax.models.prolip import ProLIP, dummy_inputs, mask_text_tokens, num_kept_patches
@@ -99,6 +99,12 @@ class StepConfig:
         if not self.module.USES_MASKED:
             return 0
         return prolip_objective.num_masked(self.masking.group, self.masking.fraction)
+
+    @property
+    def masks_text(self) -> bool:
+        """Whether the run writes masking.mask_token_id over text tokens (the masked forward runs
+        and masks text): the id must then be one no text encodes to (prolip_jax.data.check_masking)."""
+        return bool(self.masked_group_rows and self.masking.text_mask_prob)
 
 
 # --------------------------------------------------------------------------------- state

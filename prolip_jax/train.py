@@ -23,19 +23,22 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+import evaluators
+from input_pipeline.captions import write_noisy_pairs
+from input_pipeline.config import SOURCES as DATA_SOURCES
+from input_pipeline.config import DataConfig
 from prolip_jax import checkpoint as ckpt_lib
 from prolip_jax import flops as flops_lib
-from prolip_jax import objectives, optim, overview, profiling, schema, sharding
+from prolip_jax import config_args, objectives, optim, overview, profiling, schema, sharding
 from prolip_jax import step as step_lib
 from prolip_jax.data import build_train_data
 from prolip_jax.metrics import MetricWriter
 from prolip_jax.models import ProLIP, ProLIPConfig, abstract_params, get_config
 from prolip_jax.models.config import PAPER_INIT_LOGIT_SCALE
 from prolip_jax.models.transformer import REMAT_POLICIES
-from prolip_jax.pretrained import warm_start
+from prolip_jax.pretrained import openclip, warm_start
 from prolip_jax.targets import TargetsConfig
 from prolip_jax.window import Window
-from input_pipeline.config import SOURCES as DATA_SOURCES
 
 
 # =====================================================================================
@@ -102,25 +105,36 @@ SECTIONS: dict[str, type] = {
 
 
 @dataclasses.dataclass(frozen=True)
-class Parsed:
-    """The typed view of a trainer config (`parse_config`)."""
+class TrainConfig:
+    """A trainer config, typed: `parse_config` builds it once at the top of a run and each part
+    of the code receives the section it needs (nothing downstream re-parses the ConfigDict)."""
 
     run: RunConfig
-    sections: dict[str, Any]
-    objective: str
-    loss: Any
+    model: ModelOptions
+    masking: step_lib.MaskingConfig
+    targets: TargetsConfig
+    optim: optim.OptimConfig
+    mesh: sharding.MeshConfig
+    init: warm_start.InitConfig
+    keep_best: ckpt_lib.KeepBestConfig
+    profile: profiling.ProfileConfig
+    objective: str  # a name in prolip_jax.objectives.REGISTRY
+    loss: Any  # that objective's Config
+    # `config.data` as a dict, its keys and source checked: the pipeline builds its DataConfig from
+    # it with what only the model knows (prolip_jax/data.py), and "random" needs no pipeline.
+    data: dict[str, Any]
+    config: Any  # the ConfigDict itself: what a checkpoint records as the run's config
 
-    def __getattr__(self, name: str) -> Any:
-        if name in SECTIONS:
-            return self.sections[name]
-        raise AttributeError(name)
+    @property
+    def normalization(self) -> str:
+        return self.data.get("normalization", "openai")
 
 
 def objective_name(config) -> str:
     return config.loss.get("objective", "prolip") if "loss" in config else "prolip"
 
 
-def parse_config(config) -> Parsed:
+def parse_config(config) -> TrainConfig:
     """Every field of `config` checked against its declaration: unknown fields, wrong types and
     values outside a field's choices are one-line ValueErrors / TypeErrors."""
     schema.check_keys(config.keys(), {*schema.fields(RunConfig), *SECTIONS, "loss", "data"}, "config")
@@ -130,26 +144,23 @@ def parse_config(config) -> Parsed:
     module = objectives.get(name)
     loss = schema.parse(module.Config, {k: v for k, v in (config.get("loss") or {}).items() if k != "objective"},
                         f"config.loss (objective {name!r})")
-    if "data" in config:
-        from input_pipeline.config import DataConfig
-
-        schema.check_keys(config.data.keys(), schema.fields(DataConfig), "config.data")
-        if config.data.get("source") not in ("random", *DATA_SOURCES):
-            raise ValueError(f"config.data.source={config.data.get('source')!r} is not one of "
+    data = config.data.to_dict() if "data" in config else {}
+    if data:
+        schema.check_keys(data.keys(), schema.fields(DataConfig), "config.data")
+        if data.get("source") not in ("random", *DATA_SOURCES):
+            raise ValueError(f"config.data.source={data.get('source')!r} is not one of "
                              f"{('random', *DATA_SOURCES)}")
-    return Parsed(run=run, sections=sections, objective=name, loss=loss)
+    return TrainConfig(run=run, **sections, objective=name, loss=loss, data=data, config=config)
 
 
-def model_config(config) -> ProLIPConfig:
-    m = schema.parse(ModelOptions, config.model, "config.model")
+def model_config(tc: TrainConfig) -> ProLIPConfig:
+    m = tc.model
     if m.config_json:
         path = Path(m.config_json)
         if not path.is_file():
             raise FileNotFoundError(f"model.config_json={path} does not exist")
         cfg = ProLIPConfig.from_dict(json.loads(path.read_text()))
     elif m.variant.startswith("open_clip:"):
-        from prolip_jax.pretrained import openclip
-
         cfg = openclip.config_from_open_clip(openclip.arch_config(m.variant[len("open_clip:"):]))
     else:
         cfg = get_config(m.variant)
@@ -166,27 +177,22 @@ def model_config(config) -> ProLIPConfig:
     return cfg.replace(init_logit_scale=m.init_logit_scale, **extra, **towers)
 
 
-def step_config(config) -> step_lib.StepConfig:
-    p = parse_config(config)
+def step_config(tc: TrainConfig) -> step_lib.StepConfig:
     return step_lib.StepConfig(
-        objective=p.objective, loss=p.loss, masking=p.masking, targets=p.targets,
-        microbatches=p.run.microbatches, seed=p.run.seed, normalization=config.data.get("normalization", "openai"))
+        objective=tc.objective, loss=tc.loss, masking=tc.masking, targets=tc.targets,
+        microbatches=tc.run.microbatches, seed=tc.run.seed, normalization=tc.normalization)
 
 
-def check_fields(config) -> None:
-    parse_config(config)
-
-
-def validate(config, mesh, mcfg: ProLIPConfig) -> None:
-    """Clear errors for a config that cannot run (fields, batch layout, sizes, combinations)."""
-    p = parse_config(config)
+def validate(tc: TrainConfig, mesh, mcfg: ProLIPConfig) -> None:
+    """Clear errors for a config that cannot run (batch layout, sizes, combinations of sections)."""
+    p = tc
     module = objectives.get(p.objective)
-    scfg = step_config(config)
+    scfg = step_config(tc)
     step_lib.check_batch_layout(p.run.batch_size, sharding.num_batch_shards(mesh), scfg)
     if p.run.batch_size % jax.process_count():
         raise ValueError(f"batch_size {p.run.batch_size} is not divisible by {jax.process_count()} hosts")
-    if config.data.image_size != mcfg.vision.image_size:
-        raise ValueError(f"data.image_size={config.data.image_size} but the model expects "
+    if tc.data.get("image_size") != mcfg.vision.image_size:
+        raise ValueError(f"data.image_size={tc.data.get('image_size')} but the model expects "
                          f"{mcfg.vision.image_size} px images")
     if module.NEEDS_LOGVAR and not (mcfg.vision.embed_unc and mcfg.text.embed_unc):
         raise ValueError(f"config.loss.objective={p.objective!r} needs log sigma^2 from both towers, but the "
@@ -196,9 +202,8 @@ def validate(config, mesh, mcfg: ProLIPConfig) -> None:
         raise ValueError(f"config.targets.mix_fraction={p.targets.mix_fraction} (MSDA) gives soft match targets, "
                          f"which objective {p.objective!r} cannot take; set it to 0 or use an objective with "
                          f"soft targets (prolip, pcmepp, siglip)")
-    if not p.targets.identity and getattr(p.loss, "ppcl_impl", "dense") == "ring":
-        raise ValueError("config.loss.ppcl_impl='ring' scores one positive per row; multi-positive or MSDA "
-                         "targets need ppcl_impl='dense'")
+    if hasattr(module, "check_targets"):
+        module.check_targets(p.loss, p.targets.identity)
     if scfg.masked_group_rows and not 0 <= p.masking.mask_token_id < mcfg.text.vocab_size:
         raise ValueError(f"masking.mask_token_id={p.masking.mask_token_id} is outside the model's "
                          f"vocabulary of {mcfg.text.vocab_size}")
@@ -222,20 +227,18 @@ def maybe_initialize_distributed(coordinator_address: str | None, num_processes:
 EVAL_KEYS = ("type", "log_steps", "prefix")
 
 
-def build_evaluators(config, model: ProLIP) -> list[tuple[dict, Any]]:
+def build_evaluators(run: RunConfig, model: ProLIP) -> list[tuple[dict, Any]]:
     """`config.evals.<name> = dict(type=..., log_steps=..., prefix=..., **evaluator_config)`
     (big_vision style) -> [(settings, evaluators.REGISTRY[type](evaluator_config, model))].
     Every host runs every evaluator (sharded over all hosts; identical metrics)."""
-    import evaluators
-
     built = []
-    for name, ecfg in config.evals.items():
+    for name, ecfg in run.evals.items():
         ecfg = ecfg.to_dict() if hasattr(ecfg, "to_dict") else dict(ecfg)
         try:
             cls = evaluators.get(ecfg.get("type"))
         except ValueError as e:
             raise ValueError(f"config.evals.{name}: {e}") from None
-        settings = {"name": name, "log_steps": int(ecfg.get("log_steps", config.log_steps)),
+        settings = {"name": name, "log_steps": int(ecfg.get("log_steps", run.log_steps)),
                     "prefix": ecfg.get("prefix", "")}
         built.append((settings, cls({k: v for k, v in ecfg.items() if k not in EVAL_KEYS}, model)))
     return built
@@ -259,14 +262,13 @@ def warm_started(state: step_lib.TrainState, apply: Any, shardings: step_lib.Tra
 
 
 def restore(mngr: ocp.CheckpointManager, step: int, model: ProLIP, tx: Any, shardings: step_lib.TrainState,
-            mesh: Any, config: Any, param_shapes: Any, data: Any) -> step_lib.TrainState:
+            mesh: Any, tc: TrainConfig, param_shapes: Any, data: Any) -> step_lib.TrainState:
     """The train state saved at `step`, on this run's mesh and optimiser. Fine-tuning controls
     (lock, groups, layer_decay) set the optimiser state's layout: a checkpoint saved under other
     ones is restored in its own layout, then its Adam moments move over by parameter path."""
     saved = ckpt_lib.load_config(mngr.directory, step)[1].get("train_config", {}).get("optim", {})
-    saved = {**config.optim.to_dict(), **optim.LAYOUT_DEFAULTS, **saved}
-    saved_tx, _ = optim.make_optimizer(saved, config.total_steps, param_shapes, step=step)
-    saved_sh = step_lib.state_shardings(model, saved_tx, mesh, config.sharding_rules)
+    saved_tx, _ = optim.make_optimizer(tc.optim.with_layout_of(saved), tc.run.total_steps, param_shapes, step=step)
+    saved_sh = step_lib.state_shardings(model, saved_tx, mesh, tc.run.sharding_rules)
     state = ckpt_lib.restore_train_state(mngr, step, step_lib.abstract_train_state(model, saved_tx, saved_sh), data)
     if jax.tree.structure(saved_sh.opt_state) == jax.tree.structure(shardings.opt_state):
         return state
@@ -311,57 +313,56 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
     """
     workdir = Path(workdir)
     config = with_defaults(config.copy_and_resolve_references())
+    tc = parse_config(config)  # the only parse: every part below gets its typed section
+    run = tc.run
     is_chief = jax.process_index() == 0
 
     # ---- Mesh, model, optimiser -------------------------------------------------------
-    mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
-    mcfg = model_config(config)
-    validate(config, mesh, mcfg)
-    profile = profiling.ProfileConfig.from_config(config.profile)
-    profile.check(config.total_steps)
-    scfg = step_config(config)
-    model = ProLIP(mcfg, dtype=jnp.dtype(config.model.dtype), attention_impl=config.model.attention_impl,
-                   remat=config.model.remat)
+    mesh = sharding.make_mesh(tc.mesh.shape, tc.mesh.axes)
+    mcfg = model_config(tc)
+    validate(tc, mesh, mcfg)
+    tc.profile.check(run.total_steps)
+    scfg = step_config(tc)
+    model = ProLIP(mcfg, dtype=jnp.dtype(tc.model.dtype), attention_impl=tc.model.attention_impl,
+                   remat=tc.model.remat)
     param_shapes = abstract_params(mcfg)
     # The optimiser depends on the step (a locked tower unlocks at optim.unlock_step), so it is
     # built once the step to start from is known.
     make_optimizer = lambda step: optim.make_optimizer(  # noqa: E731
-        config.optim.to_dict(), config.total_steps, param_shapes, step=step)
+        tc.optim, run.total_steps, param_shapes, step=step)
     make_optimizer(0)  # checks lock/group patterns against the parameters before anything compiles
 
     # ---- Data (training batches and the in-training evaluators) ---------------------------
-    data = build_train_data(config, mcfg)
-    evaluators = build_evaluators(config, model)
+    data = build_train_data(tc, mcfg, scfg)
+    evaluators = build_evaluators(run, model)
 
     # ---- Pretrained weights (config.init): imported and checked now, applied after init. ---
     # A run that resumes never re-imports: its checkpoint already holds the warm-started state.
     ckpt_dir = (workdir / "checkpoints").absolute()
     resuming = ckpt_lib.is_checkpoint(ckpt_dir)
-    apply_warm_start = None if resuming else warm_start.prepare(config.init, mcfg, param_shapes)
+    apply_warm_start = None if resuming else warm_start.prepare(tc.init, mcfg, param_shapes)
 
     # ---- Checkpoints: resume if the workdir has one -------------------------------------
     # Only now, with the config and the data checked, does the workdir come into being.
     workdir.mkdir(parents=True, exist_ok=True)
     caption_index = getattr(data, "caption_index", None)  # caption sources (input_pipeline/captions.py)
     if is_chief and caption_index is not None and caption_index.noise_ratio > 0:
-        from input_pipeline.captions import write_noisy_pairs
-
         write_noisy_pairs(caption_index, workdir / "noisy_pairs.json")  # which pairs data.noise_ratio corrupted
     mngr = ocp.CheckpointManager(
         ckpt_dir,
-        options=ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True,
+        options=ocp.CheckpointManagerOptions(max_to_keep=run.keep_checkpoints, create=True,
                                              enable_async_checkpointing=True),
         item_names=ckpt_lib.TRAIN_ITEMS)
     start = mngr.latest_step()
     tx, schedule = make_optimizer(start or 0)
-    state_sh = step_lib.state_shardings(model, tx, mesh, config.sharding_rules)
+    state_sh = step_lib.state_shardings(model, tx, mesh, run.sharding_rules)
     if start is None:
-        state, _ = step_lib.create_train_state(model, tx, mesh, config.sharding_rules, config.seed)
+        state, _ = step_lib.create_train_state(model, tx, mesh, run.sharding_rules, run.seed)
         start = 0
         if apply_warm_start is not None:
             state = warm_started(state, apply_warm_start, state_sh, workdir, is_chief)
     else:
-        state = restore(mngr, start, model, tx, state_sh, mesh, config, param_shapes, data)
+        state = restore(mngr, start, model, tx, state_sh, mesh, tc, param_shapes, data)
         if is_chief:
             print(f"resumed from {workdir / 'checkpoints' / str(start)} (step {start})", flush=True)
     if is_chief:  # clu.parameter_overview's table with per-tower totals and shardings (overview.py)
@@ -371,28 +372,28 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
 
     def compile_step(step: int):
         """The jitted step of the optimiser phase at `step`: only trainable leaves are differentiated."""
-        trainable = optim.trainable_mask(param_shapes, config.optim.to_dict(), step)
-        fn = step_lib.make_train_step(model, tx, schedule, scfg, mesh, config.batch_size, trainable=trainable)
+        trainable = optim.trainable_mask(param_shapes, tc.optim, step)
+        fn = step_lib.make_train_step(model, tx, schedule, scfg, mesh, run.batch_size, trainable=trainable)
         return jax.jit(fn, in_shardings=(state_sh, None), out_shardings=(state_sh, replicated), donate_argnums=0)
 
     train_step = compile_step(start)
-    rebuild_at = optim.rebuild_steps(config.optim.to_dict())
+    rebuild_at = optim.rebuild_steps(tc.optim)
 
-    best = (ckpt_lib.BestKeeper(workdir / "best", config.keep_best, mcfg, tokenizer=getattr(data, "tokenizer_file", None))
-            if config.keep_best.metric else None)
+    best = (ckpt_lib.BestKeeper(workdir / "best", tc.keep_best, mcfg, tokenizer=getattr(data, "tokenizer_file", None))
+            if tc.keep_best.metric else None)
     evaluated: set[str] = set()  # evaluators that have run at least once, and every metric logged:
     logged: set[str] = set()  # keep_best's metric must be among them
 
     # ---- What the user sees ----------------------------------------------------------------
-    writer = MetricWriter(str(workdir), config.total_steps, is_chief=is_chief, resume_step=start + 1)
-    m_count = step_lib.num_masked_rows(config.batch_size, scfg)
+    writer = MetricWriter(str(workdir), run.total_steps, is_chief=is_chief, resume_step=start + 1)
+    m_count = step_lib.num_masked_rows(run.batch_size, scfg)
 
     def count_step_flops(step: int) -> float:
         """Model FLOPs of one step; a tower locked at `step` runs forward only (flops.py)."""
-        locked = set(optim.locked_paths(param_shapes, config.optim.to_dict(), step))
+        locked = set(optim.locked_paths(param_shapes, tc.optim, step))
         towers = tuple(t for t in ("visual", "text")
                        if all(p in locked for p in optim.param_paths(param_shapes) if p.startswith(t + "/")))
-        return flops_lib.train_step_flops(mcfg, config.batch_size, image_keep_ratio=scfg.masking.image_keep_ratio,
+        return flops_lib.train_step_flops(mcfg, run.batch_size, image_keep_ratio=scfg.masking.image_keep_ratio,
                                           num_masked=m_count, locked_towers=towers)
 
     step_flops = count_step_flops(start)
@@ -408,7 +409,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
             raise FloatingPointError(f"the train state at step {step} is not finite; not saving it. "
                                      f"{last_good_checkpoint()}")
         ckpt_lib.save_train_state(mngr, step, state, mcfg, config, data, force=force,
-                                  locked=optim.locked_paths(param_shapes, config.optim.to_dict(), step))
+                                  locked=optim.locked_paths(param_shapes, tc.optim, step))
 
     def last_good_checkpoint() -> str:
         good = mngr.latest_step()
@@ -418,7 +419,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
 
     # ---- The loop --------------------------------------------------------------------------
     window = Window(replicated)  # every step's metrics, reduced over the log window on device (window.py)
-    profiler = profiling.Profiler(profile, workdir, config.total_steps, is_chief)
+    profiler = profiling.Profiler(tc.profile, workdir, run.total_steps, is_chief)
     if is_chief and profiler.skipped_note(start):
         print(profiler.skipped_note(start), flush=True)
     last_metrics: dict[str, Any] = {}
@@ -427,7 +428,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
     t_log, step_log = time.time(), start
     step = start
     try:
-        while step < config.total_steps:
+        while step < run.total_steps:
             batch = sharding.global_batch(next(data), mesh)
             profiler.before_step(step)
             state, metrics = train_step(state, batch)
@@ -436,29 +437,29 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
             profiler.after_step(step, (state, metrics))
             if step in rebuild_at:  # optim.unlock_step: the locked parameters join the optimiser
                 tx, schedule = make_optimizer(step)
-                state_sh = step_lib.state_shardings(model, tx, mesh, config.sharding_rules)
+                state_sh = step_lib.state_shardings(model, tx, mesh, run.sharding_rules)
                 state = with_optimizer(state, tx, state_sh)
                 train_step = compile_step(step)
                 step_flops = count_step_flops(step)
                 if is_chief:
-                    print(f"step {step}: unlocked {list(config.optim.locked)} (fresh Adam moments for them)", flush=True)
+                    print(f"step {step}: unlocked {list(tc.optim.lock)} (fresh Adam moments for them)", flush=True)
             # Read the previous step's flag (step - 1): the device keeps working on this one meanwhile.
             if prev_metrics is not None:
                 in_a_row = in_a_row + 1 if int(to_host(prev_metrics["nonfinite"])) else 0
             prev_metrics = metrics
-            if in_a_row >= config.max_nonfinite_in_a_row:
+            if in_a_row >= run.max_nonfinite_in_a_row:
                 mngr.wait_until_finished()
                 raise FloatingPointError(
                     f"steps {step - in_a_row}-{step - 1} ({in_a_row} in a row) had a non-finite loss, gradient "
                     f"or update and were skipped; stopping (check optim.lr, optim.eps and the data). "
                     f"{last_good_checkpoint()}")
-            if step % config.log_steps == 0 or step == config.total_steps:
+            if step % run.log_steps == 0 or step == run.total_steps:
                 values: dict[str, Any] = {k: float(to_host(v)) for k, v in window.result().items()}
                 dt = (time.time() - t_log) / max(step - step_log, 1)
                 t_log, step_log = time.time(), step
                 values.update({
-                    "step_time_s": dt, "samples_per_s": config.batch_size / dt,
-                    "samples_per_s_per_device": config.batch_size / dt / jax.device_count(),
+                    "step_time_s": dt, "samples_per_s": run.batch_size / dt,
+                    "samples_per_s_per_device": run.batch_size / dt / jax.device_count(),
                     "tflops_per_device": flops_lib.tflops_per_device(step_flops, dt, jax.device_count()),
                     "skipped_updates": int(to_host(state.skipped)),
                     **{f"data/{k}": v for k, v in data.stats.items()},
@@ -469,7 +470,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
             else:
                 values = {}
             for settings, evaluator in evaluators:
-                if step % settings["log_steps"] == 0 or step == config.total_steps:
+                if step % settings["log_steps"] == 0 or step == run.total_steps:
                     t_eval = time.time()
                     values.update({settings["prefix"] + k: v for k, v in evaluator.run(state.params)})
                     t_log += time.time() - t_eval  # evaluation time is not training step time
@@ -485,7 +486,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
             if values:
                 writer.write(step, values)
                 last_metrics = values
-            if step % config.checkpoint_steps == 0 and step < config.total_steps:
+            if step % run.checkpoint_steps == 0 and step < run.total_steps:
                 save(step)
             if step == stop_at_step:
                 preempted["flag"] = True
@@ -498,7 +499,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
         if mngr.latest_step() != step:
             save(step, force=True)
         mngr.wait_until_finished()
-        if config.optim.get("swa_every_steps", 0):
+        if tc.optim.swa_every_steps:
             save_swa(workdir / "swa", state, step, mcfg, getattr(data, "tokenizer_file", None), is_chief)
         return last_metrics
     finally:
@@ -520,8 +521,6 @@ def with_defaults(config):
     uses it (RunConfig, SECTIONS, the objective's Config, input_pipeline.DataConfig), so
     `--config.<section>.<any field>=...` works (None defaults become typed placeholders:
     ml_collections cannot override a plain None)."""
-    from input_pipeline.config import DataConfig
-
     def fill(section, defaults):
         for key, value in defaults.items():
             if key not in section:
@@ -567,8 +566,6 @@ def parse_command_line(argv: list[str]) -> tuple[Any, Any]:
     whose first line names the problem."""
     from absl import flags
     from ml_collections import config_flags
-
-    from prolip_jax import config_args
 
     spec, argv = _split_config_arg(argv)
     config = with_defaults(config_args.load_config_file(spec))

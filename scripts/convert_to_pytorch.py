@@ -32,14 +32,15 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from prolip_jax import checkpoint, convert
+    from input_pipeline import tokenizer_files
+    from prolip_jax import checkpoint, export
 
     try:
         params, config, step = checkpoint.load_params(args.checkpoint, step=args.step)
         meta = checkpoint.load_config(args.checkpoint, step)[1]
-        tokenizer = explicit_tokenizer(args.tokenizer, config) or checkpoint.load_tokenizer_file(args.checkpoint, step)
+        tokenizer = explicit_tokenizer(args.tokenizer, config) or tokenizer_files.file_from_checkpoint(args.checkpoint, step)
         params = jax.tree.map(np.asarray, params)
-        out = convert.save_hf(args.out, params, config, overwrite=args.overwrite, tokenizer=tokenizer,
+        out = export.save_hf(args.out, params, config, overwrite=args.overwrite, tokenizer=tokenizer,
                               normalization=checkpoint.training_normalization(meta))
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -64,7 +65,7 @@ def explicit_tokenizer(spec: str, config) -> object:
     if not spec:
         return None
     from input_pipeline.tokenizers import build_tokenizer
-    from prolip_jax.tokenizer_files import TokenizerFile
+    from input_pipeline.tokenizer_files import TokenizerFile
 
     kind, _, path = spec.partition(":")
     if not path:

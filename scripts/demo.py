@@ -135,9 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     evaluate = _load_module(ROOT / "scripts" / "evaluate.py", "_prolip_evaluate")
     config = evaluate.load_config(args.config)
     from prolip_jax.data import demo_kwargs as run_demo_kwargs
-    from prolip_jax.train import model_config
+    from prolip_jax.train import model_config, parse_config
 
-    demo_kwargs = run_demo_kwargs(config, model_config(config))  # the trainer's dataset, exactly
+    tc = parse_config(config)
+    demo_kwargs = run_demo_kwargs(tc.data, model_config(tc))  # the trainer's dataset, exactly
     smoke = "smoke=1" in args.config.partition(":")[2].split(",")
 
     # ---- 1. Data ---------------------------------------------------------------------------

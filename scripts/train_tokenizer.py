@@ -84,7 +84,7 @@ def train_tokenizer(inputs: Sequence[str], output: str | os.PathLike, context_le
     import sentencepiece as spm
 
     from input_pipeline.tokenizers import build_tokenizer, get_clean_fn
-    from prolip_jax.tokenizer_files import write_bytes_atomic
+    from input_pipeline.paths import write_bytes_atomic
 
     clean_fn = get_clean_fn(clean)
     # The tokenizer sees captions cleaned as the pipeline cleans them, so train on those.

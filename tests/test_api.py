@@ -6,12 +6,13 @@ import pytest
 
 import prolip_jax
 from conftest import max_rel_err
-from prolip_jax import checkpoint, convert
+from prolip_jax import checkpoint
+from prolip_jax import export
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory, golden_params, golden_config):
-    return convert.save_hf(tmp_path_factory.mktemp("api") / "hf", golden_params, golden_config)
+    return export.save_hf(tmp_path_factory.mktemp("api") / "hf", golden_params, golden_config)
 
 
 def test_load_hf_folder_reproduces_reference(hf_dir, golden):

@@ -15,6 +15,7 @@ import prolip_jax
 from conftest import max_rel_err
 from prolip_jax import checkpoint, convert
 from prolip_jax.models import ProLIPConfig, get_config, init_params
+from prolip_jax import export
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -79,7 +80,7 @@ def test_released_config_json_builds_b16():
 
 
 def test_hf_folder_layout(tmp_path, golden_params, golden_config, golden_state_dict):
-    out = convert.save_hf(tmp_path / "hf", golden_params, golden_config)
+    out = export.save_hf(tmp_path / "hf", golden_params, golden_config)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     written = json.loads((out / "config.json").read_text())
     assert set(written) >= {"embed_dim", "vision_cfg", "text_cfg", "init_logit_bias"}
@@ -89,8 +90,8 @@ def test_hf_folder_layout(tmp_path, golden_params, golden_config, golden_state_d
     for k in sd:
         np.testing.assert_array_equal(sd[k], golden_state_dict[k])
     with pytest.raises(FileExistsError, match="not empty"):
-        convert.save_hf(tmp_path / "hf", golden_params, golden_config)
-    convert.save_hf(tmp_path / "hf", golden_params, golden_config, overwrite=True)
+        export.save_hf(tmp_path / "hf", golden_params, golden_config)
+    export.save_hf(tmp_path / "hf", golden_params, golden_config, overwrite=True)
 
 
 def test_ddp_prefix_is_stripped(golden_state_dict, golden_config):

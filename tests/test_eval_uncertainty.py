@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import convert_from_pytorch  # noqa: E402
 import evaluate  # noqa: E402
+from prolip_jax import export
 
 DEMO = dict(image_size=16, num_train=200, num_zeroshot=36, num_retrieval=20, num_levels=10)
 
@@ -166,7 +167,7 @@ def test_evaluate_script_on_converted_checkpoint(micro, demo_dir, demo_eval, tmp
 
     config, _, params = micro
     hf, ckpt, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "eval"
-    convert.save_hf(hf, params, config)
+    export.save_hf(hf, params, config)
     assert convert_from_pytorch.main(["--hf_dir", str(hf), "--out", str(ckpt)]) == 0
     cfg = ROOT / "configs" / "eval" / "demo.py"
     assert evaluate.main(["--checkpoint", str(ckpt), "--config",

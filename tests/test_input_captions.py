@@ -404,7 +404,8 @@ def test_trainer_feeds_image_id_and_writes_the_noisy_pairs(coco, spm_model, tmp_
             "--config.targets.positives=image_id", "--config.masking.mask_token_id=3",
             "--config.masking.group=2", "--config.masking.fraction=0.5"]
     config, fv = train.parse_command_line(args)
-    data = build_train_data(config, train.model_config(config))
+    tc = train.parse_config(config)
+    data = build_train_data(tc, train.model_config(tc), train.step_config(tc))
     batch = next(data)
     assert batch["image_id"].shape == (16,) and set(batch["image_id"].tolist()) <= set(range(500, 508))
     mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)

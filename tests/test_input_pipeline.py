@@ -6,8 +6,9 @@ import sys
 import numpy as np
 import pytest
 
-from input_pipeline import pipeline, transforms
+from input_pipeline import pipeline
 from input_pipeline.paths import expand_braces, expand_paths
+from prolip_jax.normalization import normalize_on_device
 from conftest import ALL_KEYS, NUM_SHARDS, PER_SHARD, KeyTokenizer, make_shard_data
 
 N = NUM_SHARDS * PER_SHARD
@@ -58,7 +59,7 @@ def test_batch_format(data):
                                         TOK, process_index=0, process_count=1)
     b8 = next(it8)
     assert b8["image"].dtype == np.uint8
-    np.testing.assert_allclose(np.asarray(transforms.normalize_on_device(b8["image"])),
+    np.testing.assert_allclose(np.asarray(normalize_on_device(b8["image"])),
                                batch["image"], atol=1e-5)
     np.testing.assert_array_equal(b8["text"], batch["text"])
 

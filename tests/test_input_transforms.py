@@ -7,6 +7,7 @@ import pytest
 from PIL import Image
 
 from input_pipeline import transforms as T
+from prolip_jax import normalization as N
 
 
 def _noise_image(w, h, seed=0):
@@ -139,23 +140,23 @@ def test_eval_transform_resizes_short_side_and_centre_crops():
 
 def test_normalize_values_and_device_version_agree():
     x = np.array([[[0, 128, 255]]], np.uint8)
-    out = T.normalize(x, "openai")
-    expected = (np.array([0, 128, 255]) / 255.0 - np.array(T.OPENAI_MEAN)) / np.array(
-        T.OPENAI_STD)
+    out = N.normalize(x, "openai")
+    expected = (np.array([0, 128, 255]) / 255.0 - np.array(N.OPENAI_MEAN)) / np.array(
+        N.OPENAI_STD)
     np.testing.assert_allclose(out[0, 0], expected, rtol=1e-5)
-    half = T.normalize(np.array([0, 255], np.uint8)[:, None].repeat(3, 1), "0.5")
+    half = N.normalize(np.array([0, 255], np.uint8)[:, None].repeat(3, 1), "0.5")
     np.testing.assert_allclose(half, [[-1, -1, -1], [1, 1, 1]], atol=1e-6)
     batch = np.random.default_rng(0).integers(0, 256, (2, 4, 4, 3), np.uint8)
-    np.testing.assert_allclose(np.asarray(T.normalize_on_device(batch, "openai")),
-                               T.normalize(batch, "openai"), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(N.normalize_on_device(batch, "openai")),
+                               N.normalize(batch, "openai"), atol=1e-5)
     with pytest.raises(ValueError, match="Unknown normalization"):
-        T.normalize(batch, "imagenet")
+        N.normalize(batch, "imagenet")
 
 
 def test_normalized_statistics_of_natural_images():
     # Eval-transformed natural-ish images, normalised with CLIP stats: roughly centred.
     imgs = np.stack([T.eval_transform(_noise_image(64, 48, s), 32) for s in range(20)])
-    out = T.normalize(imgs, "openai")
+    out = N.normalize(imgs, "openai")
     assert out.dtype == np.float32 and out.shape == (20, 32, 32, 3)
     assert np.isfinite(out).all()
     assert -1.8 <= out.min() and out.max() <= 2.2   # (0 - .48)/.27 .. (1 - .41)/.28

@@ -25,12 +25,12 @@ def methods_config(arg: str):
                                     "siglip", "vse"])
 def test_every_method_config_parses_and_selects_its_objective(method):
     module, config = methods_config(f"method={method},smoke=1")
-    scfg = train.step_config(config)
+    scfg = train.step_config(train.parse_config(config))
     assert scfg.objective == module.METHODS[method][0]
     assert type(scfg.loss) is objectives.get(scfg.objective).Config
     # ProLIP's masked forward runs only for the objective that uses it.
     assert bool(scfg.masked_group_rows) == (scfg.objective == "prolip")
-    mcfg = train.model_config(config)
+    mcfg = train.model_config(train.parse_config(config))
     overrides = module.METHODS[method][2]
     for key in ("init_logit_scale", "init_logit_bias"):
         if key in overrides:
@@ -65,16 +65,16 @@ def test_bad_combinations_stop_before_compiling():
     _, config = methods_config("method=vse")
     config.targets.mix_fraction = 0.25  # MSDA's soft labels cannot enter a triplet loss
     with pytest.raises(ValueError, match="MSDA.*'vse' cannot take"):
-        train.validate(config, mesh, train.model_config(config))
+        train.validate(train.parse_config(config), mesh, train.model_config(train.parse_config(config)))
     _, config = methods_config("method=pcme")
     config.model.vision = {"embed_unc": False}  # a mu-only image tower: no sigma^2 to sample
     config.model.text = {"embed_unc": False, "pool": "last"}
     with pytest.raises(ValueError, match="needs log sigma"):
-        train.validate(config, mesh, train.model_config(config))
+        train.validate(train.parse_config(config), mesh, train.model_config(train.parse_config(config)))
     _, config = methods_config("method=prolip,positives=same_caption")
     config.loss.ppcl_impl = "ring"
     with pytest.raises(ValueError, match="ring"):
-        train.validate(config, mesh, train.model_config(config))
+        train.validate(train.parse_config(config), mesh, train.model_config(train.parse_config(config)))
 
 
 def test_positive_matrix_marks_identical_captions_and_image_ids():
@@ -141,6 +141,6 @@ def test_tower_overrides_keep_fixed_length_tuples():
     import json
 
     c = train.with_defaults(config_args.load_config_file("configs/methods.py:method=pcmepp"))
-    mcfg = train.model_config(c)
+    mcfg = train.model_config(train.parse_config(c))
     assert mcfg.text.tokenizer_kwargs == (("clean", "canonicalize"),)
     json.dumps(mcfg.to_dict())

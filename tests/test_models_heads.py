@@ -17,6 +17,7 @@ from prolip_jax.models import ProLIP, ProLIPConfig, abstract_params, dummy_input
 from prolip_jax.models.config import with_overrides
 from prolip_jax.models.heads import GPO, size_augment_keep, size_augment_tokens
 from prolip_jax.models.text import TextTower
+from prolip_jax import export
 
 
 # ------------------------------------------------------------------------------ numpy GPO
@@ -327,14 +328,14 @@ def test_export_refuses_other_papers_architectures(tmp_path, pcmepp):
         convert.flax_to_torch(params, cfg)
     pishdad = get_config("tiny_pishdad")
     with pytest.raises(ValueError, match=r"vision.unc_head='embedding'"):
-        convert.save_hf(tmp_path / "out", _random_params(pishdad), pishdad)
+        export.save_hf(tmp_path / "out", _random_params(pishdad), pishdad)
     assert not (tmp_path / "out").exists()
     sph = get_config("tiny", vision={"covariance": "spherical"})
     with pytest.raises(ValueError, match="vision.covariance='spherical'"):
         convert.expected_torch_shapes(sph)
     # SizeAugment is training-only: a ProLIP trained with it exports, without the option
     aug = get_config("tiny", text={"pad_id": 1, "size_augment": 0.2, "size_augment_mask_id": 999})
-    out = convert.save_hf(tmp_path / "aug", _random_params(aug), aug)
+    out = export.save_hf(tmp_path / "aug", _random_params(aug), aug)
     import json
     text_cfg = json.loads((out / convert.CONFIG_NAME).read_text())["text_cfg"]
     assert "size_augment" not in text_cfg and "size_augment_mask_id" not in text_cfg and text_cfg["pad_id"] == 1

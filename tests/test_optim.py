@@ -81,9 +81,9 @@ def state_bytes(state):
 # ------------------------------------------------------------------------------ defaults
 @pytest.mark.parametrize("clip", [0.0, 1.0])
 def test_default_config_is_todays_optimizer(clip):
-    cfg = {**OPTIM, **optim.FINETUNE_DEFAULTS, "clip_norm": clip}
+    cfg = {**OPTIM, "clip_norm": clip}
     params = make_tree()
-    tx, _ = optim.make_optimizer(cfg, TOTAL, params)
+    tx, _ = optim.make_optimizer(optim.OptimConfig.of(cfg), TOTAL, params)
     ref = todays_chain(cfg)
     # Same state layout (existing checkpoints restore) and bit-identical updates.
     assert jax.tree.structure(tx.init(params)) == jax.tree.structure(ref.init(params))
@@ -91,7 +91,7 @@ def test_default_config_is_todays_optimizer(clip):
     theirs, _ = run_updates(ref, params)
     assert_trees_equal(ours, theirs)
     # Configs from before issue 12 (no fine-tuning fields) build the same optimiser, params or not.
-    tx_old_cfg, _ = optim.make_optimizer({**OPTIM, "clip_norm": clip}, TOTAL)
+    tx_old_cfg, _ = optim.make_optimizer(optim.OptimConfig.of({**OPTIM, "clip_norm": clip}), TOTAL)
     assert_trees_equal(run_updates(tx_old_cfg, params)[0], theirs)
 
 
@@ -100,7 +100,7 @@ def test_neutral_group_gives_todays_updates_through_the_partitioned_chain():
     # per-leaf operations are the same, so the updates are bit-identical.
     cfg = {**OPTIM, "clip_norm": 1.0, "groups": (dict(pattern="."),)}
     params = make_tree()
-    tx, _ = optim.make_optimizer(cfg, TOTAL, params)
+    tx, _ = optim.make_optimizer(optim.OptimConfig.of(cfg), TOTAL, params)
     assert isinstance(tx.init(params)[1], optax.MultiTransformState)
     assert_trees_equal(run_updates(tx, params)[0], run_updates(todays_chain(cfg), params)[0])
 
@@ -109,8 +109,8 @@ def test_neutral_group_gives_todays_updates_through_the_partitioned_chain():
 def test_locked_params_get_no_state_and_zero_updates():
     cfg = {**OPTIM, "locked": ("^visual/",)}
     params = make_tree()
-    tx, schedule = optim.make_optimizer(cfg, TOTAL, params)
-    mask = optim.trainable_mask(params, cfg)
+    tx, schedule = optim.make_optimizer(optim.OptimConfig.of(cfg), TOTAL, params)
+    mask = optim.trainable_mask(params, optim.OptimConfig.of(cfg))
     assert not any(jax.tree.leaves(mask["visual"])) and all(jax.tree.leaves(mask["text"])) and mask["logit_scale"]
     trainable, _ = optim.partition(params, mask)
 
@@ -126,13 +126,13 @@ def test_locked_params_get_no_state_and_zero_updates():
     for u, r in zip(ours, ref):
         assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(u["visual"]))
         assert_trees_equal({k: v for k, v in u.items() if k != "visual"}, r)  # the rest is plain AdamW
-    assert optim.locked_paths(params, cfg) == [p for p in optim.param_paths(params) if p.startswith("visual/")]
+    assert optim.locked_paths(params, optim.OptimConfig.of(cfg)) == [p for p in optim.param_paths(params) if p.startswith("visual/")]
 
 
 def test_partition_differentiates_only_trainable_leaves():
     cfg = {**OPTIM, "locked": "^text/|logit_"}  # a single string is one pattern
     params = make_tree()
-    mask = optim.trainable_mask(params, cfg)
+    mask = optim.trainable_mask(params, optim.OptimConfig.of(cfg))
     trainable, locked = optim.partition(params, mask)
     assert optim.combine(trainable, locked) == params
     loss = lambda t: sum(jnp.sum(x ** 2) for x in jax.tree.leaves(optim.combine(t, locked)))  # noqa: E731
@@ -148,8 +148,8 @@ def test_group_lr_mult_and_weight_decay_scale_updates_exactly():
               dict(pattern=r"^text/", weight_decay=0.05))
     cfg = {**OPTIM, "groups": groups}
     params = make_tree()
-    tx, _ = optim.make_optimizer(cfg, TOTAL, params)
-    mults, wds = optim.lr_multipliers(params, cfg), optim.weight_decays(params, cfg)
+    tx, _ = optim.make_optimizer(optim.OptimConfig.of(cfg), TOTAL, params)
+    mults, wds = optim.lr_multipliers(params, optim.OptimConfig.of(cfg)), optim.weight_decays(params, optim.OptimConfig.of(cfg))
     assert leaf(mults, "visual/transformer/resblocks_1/attn/query_kernel") == 0.25
     assert leaf(mults, "visual/proj") == 0.5 and leaf(wds, "visual/proj") == 0.0
     assert leaf(mults, "text/token_embedding") == 1.0 and leaf(wds, "text/token_embedding") == 0.05
@@ -202,11 +202,11 @@ def test_layer_decay_multipliers_follow_beit_convention():
     assert md["resblocks_10"]["w"] == d and md["resblocks_2"]["w"] == d ** 9
     # Combined multiplicatively with the group multiplier, and it reaches the updates.
     cfg = {**OPTIM, "layer_decay": d, "groups": (dict(pattern="^visual/", lr_mult=0.5),), "weight_decay": 0.0}
-    assert leaf(optim.lr_multipliers(params, cfg), "visual/transformer/resblocks_0/attn/query_kernel") == 0.5 * d ** 3
-    tx, _ = optim.make_optimizer(cfg, TOTAL, params)
+    assert leaf(optim.lr_multipliers(params, optim.OptimConfig.of(cfg)), "visual/transformer/resblocks_0/attn/query_kernel") == 0.5 * d ** 3
+    tx, _ = optim.make_optimizer(optim.OptimConfig.of(cfg), TOTAL, params)
     (ours,), _ = run_updates(tx, params, steps=1)
     (plain,), _ = run_updates(todays_chain(cfg), params, steps=1)
-    for path, mult in zip(optim.param_paths(params), jax.tree.leaves(optim.lr_multipliers(params, cfg))):
+    for path, mult in zip(optim.param_paths(params), jax.tree.leaves(optim.lr_multipliers(params, optim.OptimConfig.of(cfg)))):
         np.testing.assert_array_equal(leaf(ours, path), leaf(plain, path) * mult, err_msg=path)
 
 
@@ -214,12 +214,12 @@ def test_layer_decay_multipliers_follow_beit_convention():
 def test_unlock_rebuilds_optimizer_and_keeps_moments():
     cfg = {**OPTIM, "locked": ("^visual/",), "unlock_step": 3}
     params = make_tree()
-    tx0, schedule = optim.make_optimizer(cfg, TOTAL, params, step=0)
-    assert optim.rebuild_steps(cfg) == (3,) and optim.rebuild_steps(OPTIM) == ()
-    assert optim.locked_paths(params, cfg, step=2) and not optim.locked_paths(params, cfg, step=3)
+    tx0, schedule = optim.make_optimizer(optim.OptimConfig.of(cfg), TOTAL, params, step=0)
+    assert optim.rebuild_steps(optim.OptimConfig.of(cfg)) == (3,) and optim.rebuild_steps(optim.OptimConfig.of(OPTIM)) == ()
+    assert optim.locked_paths(params, optim.OptimConfig.of(cfg), step=2) and not optim.locked_paths(params, optim.OptimConfig.of(cfg), step=3)
     _, state0 = run_updates(tx0, params, steps=3)
 
-    tx1, _ = optim.make_optimizer(cfg, TOTAL, params, step=3)
+    tx1, _ = optim.make_optimizer(optim.OptimConfig.of(cfg), TOTAL, params, step=3)
     state1 = jax.jit(lambda s, p: optim.transfer_state(s, tx1, p))(state0, params)
     adam0 = state0[0].inner_states["adam"].inner_state
     adam1 = state1[0].inner_states["adam"].inner_state
@@ -243,10 +243,10 @@ def test_unlock_rebuilds_optimizer_and_keeps_moments():
 
 def test_transfer_state_across_layouts_by_path():
     params = make_tree()
-    plain, _ = optim.make_optimizer(OPTIM, TOTAL, params)
+    plain, _ = optim.make_optimizer(optim.OptimConfig.of(OPTIM), TOTAL, params)
     _, s_plain = run_updates(plain, params, steps=2)
     locked_cfg = {**OPTIM, "locked": "^text/", "layer_decay": 0.7}
-    tx, _ = optim.make_optimizer(locked_cfg, TOTAL, params)
+    tx, _ = optim.make_optimizer(optim.OptimConfig.of(locked_cfg), TOTAL, params)
     s = optim.transfer_state(s_plain, tx, params)
     adam = s[0].inner_states["adam"].inner_state
     assert int(adam.count) == 2 and int(s[-1].count) == 2
@@ -272,7 +272,7 @@ def test_tree_map_params_shards_partitioned_state():
                             abstract)
     replicated = NamedSharding(mesh, P())
     cfg = {**OPTIM, "locked": "^visual/transformer/", "groups": (dict(pattern="^text/", lr_mult=0.5),)}
-    for tx in (optim.make_optimizer(OPTIM, TOTAL)[0], optim.make_optimizer(cfg, TOTAL, abstract)[0]):
+    for tx in (optim.make_optimizer(optim.OptimConfig.of(OPTIM), TOTAL)[0], optim.make_optimizer(optim.OptimConfig.of(cfg), TOTAL, abstract)[0]):
         abstract_opt = jax.eval_shape(tx.init, abstract)
         opt_sh = optim.tree_map_params(tx, lambda _, s: s, abstract_opt, param_sh,
                                        transform_non_params=lambda _: replicated)
@@ -282,7 +282,7 @@ def test_tree_map_params_shards_partitioned_state():
         assert adam.mu["visual"]["proj"].sharding == param_sh["visual"]["proj"]
         assert adam.count.sharding == replicated
     # On a plain chain it agrees with optax's own.
-    tx = optim.make_optimizer(OPTIM, TOTAL)[0]
+    tx = optim.make_optimizer(optim.OptimConfig.of(OPTIM), TOTAL)[0]
     abstract_opt = jax.eval_shape(tx.init, abstract)
     ours = optim.tree_map_params(tx, lambda _, s: s, abstract_opt, param_sh, transform_non_params=lambda _: replicated)
     assert ours == optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_sh,
@@ -295,12 +295,12 @@ def test_works_on_the_model_parameter_tree():
     params = abstract_params(get_config("micro"))
     cfg = {**OPTIM, "locked": ("^visual/",), "unlock_step": 5, "layer_decay": 0.7,
            "groups": (dict(pattern="^text/transformer/", lr_mult=0.1),)}
-    tx, _ = optim.make_optimizer(cfg, TOTAL, params)
+    tx, _ = optim.make_optimizer(optim.OptimConfig.of(cfg), TOTAL, params)
     state = jax.eval_shape(tx.init, params)
     assert jax.tree.leaves(state)  # builds from abstract shapes
-    locked = optim.locked_paths(params, cfg)
+    locked = optim.locked_paths(params, optim.OptimConfig.of(cfg))
     assert "visual/patch_kernel" in locked and "text/token_embedding" not in locked
-    m = optim.lr_multipliers(params, cfg)
+    m = optim.lr_multipliers(params, optim.OptimConfig.of(cfg))
     assert leaf(m, "text/transformer/resblocks_0/c_fc/kernel") == pytest.approx(0.1 * 0.7)
     assert leaf(m, "text/cls_emb") == pytest.approx(0.7 ** 2)  # text L = 1: stem d^2
     assert leaf(m, "visual/unc_embedding") == pytest.approx(0.7 ** 2)
@@ -326,7 +326,7 @@ def test_works_on_the_model_parameter_tree():
 def test_bad_settings_are_refused_with_one_line(extra, message):
     params = make_tree()
     with pytest.raises(ValueError, match=message) as e:
-        optim.make_optimizer({**OPTIM, **extra}, TOTAL, params)
+        optim.make_optimizer(optim.OptimConfig.of({**OPTIM, **extra}), TOTAL, params)
     assert "\n" not in str(e.value)
     if "matches no parameter" in message:
         assert "visual/" in str(e.value)  # example paths
@@ -334,14 +334,14 @@ def test_bad_settings_are_refused_with_one_line(extra, message):
 
 def test_fine_tuning_needs_the_parameter_tree():
     with pytest.raises(ValueError, match="need the parameter tree"):
-        optim.make_optimizer({**OPTIM, "layer_decay": 0.7}, TOTAL)
+        optim.make_optimizer(optim.OptimConfig.of({**OPTIM, "layer_decay": 0.7}), TOTAL)
 
 
 def test_partitioned_state_round_trips_through_orbax(tmp_path):
     import orbax.checkpoint as ocp
 
     params = make_tree()
-    tx, _ = optim.make_optimizer({**OPTIM, "locked": "^visual/", "layer_decay": 0.5}, TOTAL, params)
+    tx, _ = optim.make_optimizer(optim.OptimConfig.of({**OPTIM, "locked": "^visual/", "layer_decay": 0.5}), TOTAL, params)
     _, state = run_updates(tx, params, steps=2)
     with ocp.CheckpointManager(tmp_path) as mngr:
         mngr.save(2, args=ocp.args.Composite(opt_state=ocp.args.StandardSave(state)))
@@ -357,9 +357,11 @@ def test_partitioned_state_round_trips_through_orbax(tmp_path):
 def test_config_dict_fields():
     import ml_collections as mlc
 
-    c = mlc.ConfigDict({**OPTIM, **optim.FINETUNE_DEFAULTS})
+    c = mlc.ConfigDict({**OPTIM, "locked": (), "unlock_step": 0, "groups": (), "layer_decay": 1.0})
     c.locked = ("^visual/",)  # not `lock`: that is a ConfigDict method
     c.groups = (dict(pattern="^text/", lr_mult=0.1),)
-    assert optim.finetune_config(c) == optim.finetune_config(c.to_dict()) == optim.Finetune(
+    parsed = optim.OptimConfig.of(c)
+    assert parsed == optim.OptimConfig.of(c.to_dict())
+    assert (parsed.lock, parsed.unlock_step, parsed.groups, parsed.layer_decay) == (
         ("^visual/",), 0, (dict(pattern="^text/", lr_mult=0.1),), 1.0)
-    assert optim.finetune_config(c).active and not optim.finetune_config(OPTIM).active
+    assert parsed.finetuning and not optim.OptimConfig.of(OPTIM).finetuning

@@ -227,7 +227,7 @@ def test_adamp_matches_the_reference_update_rule(nesterov):
     wd_of = {k: OPTIM["weight_decay"] if v.ndim >= 2 else 0.0 for k, v in flat.items()}
     trajectory, grads, branches = reference_run(flat, lr_of=step_lr, wd_of=wd_of, nesterov=nesterov)
     check_branches(branches)
-    tx, _ = optim.make_optimizer({**OPTIM, **ADAMP, "adamp_nesterov": nesterov}, 10)
+    tx, _ = optim.make_optimizer(optim.OptimConfig.of({**OPTIM, **ADAMP, "adamp_nesterov": nesterov}), 10)
     ours, state = jax_run(tx, flat, grads)
     assert_same_trajectory(ours, trajectory, flat)
     adam = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
@@ -242,7 +242,7 @@ def test_adamp_projection_and_wd_ratio_change_the_update():
     wd_of = {k: OPTIM["weight_decay"] if v.ndim >= 2 else 0.0 for k, v in flat.items()}
     base, grads, _ = reference_run(flat, lr_of=step_lr, wd_of=wd_of)
     for extra in (dict(adamp_delta=1e-12), dict(adamp_wd_ratio=1.0)):
-        tx, _ = optim.make_optimizer({**OPTIM, **ADAMP, **extra}, 10)
+        tx, _ = optim.make_optimizer(optim.OptimConfig.of({**OPTIM, **ADAMP, **extra}), 10)
         ours, _ = jax_run(tx, flat, grads)
         for path, (_, kind) in LEAVES.items():
             differs = not np.allclose(ours[-1][path], base[-1][path], rtol=1e-5, atol=1e-6)
@@ -261,12 +261,12 @@ def test_adamp_composes_with_groups_layer_decay_locking_and_clipping():
     wd_of = {k: (0.3 if "/resblocks_1/" in k else OPTIM["weight_decay"]) if v.ndim >= 2 else 0.0
              for k, v in flat.items()}
     params32 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), nest(flat))
-    assert flatten(optim.lr_multipliers(params32, cfg)) == mult
+    assert flatten(optim.lr_multipliers(params32, optim.OptimConfig.of(cfg))) == mult
     trajectory, grads, branches = reference_run(flat, lr_of=lambda t, k: step_lr(t, k) * mult[k], wd_of=wd_of,
                                                 locked={"text/token_embedding"}, clip=1.0)
     check_branches(branches)
     assert math.sqrt(sum(np.sum(v * v) for v in grads[0].values())) > 5  # clipping is active
-    tx, _ = optim.make_optimizer(cfg, 10, params32)
+    tx, _ = optim.make_optimizer(optim.OptimConfig.of(cfg), 10, params32)
     ours, _ = jax_run(tx, flat, grads)
     assert_same_trajectory(ours, trajectory, flat)
     np.testing.assert_array_equal(ours[-1]["text/token_embedding"], np.float32(flat["text/token_embedding"]))
@@ -274,12 +274,12 @@ def test_adamp_composes_with_groups_layer_decay_locking_and_clipping():
 
 def test_switching_adamw_to_adamp_carries_the_moments():
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), nest(make_params()))
-    adamw, _ = optim.make_optimizer(OPTIM, 10)
+    adamw, _ = optim.make_optimizer(optim.OptimConfig.of(OPTIM), 10)
     state = adamw.init(params)
     for k in range(2):
         grads = jax.tree.map(lambda x: jnp.full(x.shape, 0.1 * (k + 1), jnp.float32), params)
         _, state = adamw.update(grads, state, params)
-    adamp, _ = optim.make_optimizer({**OPTIM, "name": "adamp"}, 10)
+    adamp, _ = optim.make_optimizer(optim.OptimConfig.of({**OPTIM, "name": "adamp"}), 10)
     carried = optim.transfer_state(state, adamp, params)
     jax.tree.map(np.testing.assert_array_equal, carried[0], state[0])  # count, mu, nu
     assert int(carried[-1].count) == 2
@@ -297,17 +297,17 @@ def test_adamp_channel_axes_are_torch_dim_0():
 # --------------------------------------------------------------------------- step schedule
 def test_step_schedule_values_at_the_boundaries():
     cfg = {**OPTIM, "lr": 1.0, "warmup_steps": 2, "schedule": "step", "step_boundaries": (5, 8), "step_factor": 0.1}
-    tx, schedule = optim.make_optimizer(cfg, 10)
+    tx, schedule = optim.make_optimizer(optim.OptimConfig.of(cfg), 10)
     got = [float(schedule(t)) for t in range(10)]
     want = [0.5, 1.0, 1.0, 1.0, 1.0, 0.1, 0.1, 0.1, 0.01, 0.01]
     np.testing.assert_allclose(got, want, rtol=1e-6)
     # Fractions of total_steps: PCME++ (x0.1 for the last 10 of 25 epochs), Pishdad et al. (/10 at 15 of 30).
     for fraction, total, boundary in ((0.6, 25 * 40, 15 * 40), (0.5, 30 * 7, 15 * 7)):
-        s = optim.make_schedule({**OPTIM, "lr": 5e-4, "schedule": "step", "step_boundaries": (fraction,)}, total)
+        s = optim.make_schedule(optim.OptimConfig.of({**OPTIM, "lr": 5e-4, "schedule": "step", "step_boundaries": (fraction,)}), total)
         assert float(s(boundary - 1)) == pytest.approx(5e-4) and float(s(boundary)) == pytest.approx(5e-5)
         assert float(s(total - 1)) == pytest.approx(5e-5)
     # It drives the updates: with a constant gradient Adam's direction is g / (|g| + eps) ~ 1 every step.
-    tx, _ = optim.make_optimizer({**cfg, "weight_decay": 0.0}, 10)
+    tx, _ = optim.make_optimizer(optim.OptimConfig.of({**cfg, "weight_decay": 0.0}), 10)
     params = {"w": jnp.ones((2, 2))}
     state, update = tx.init(params), jax.jit(tx.update)
     for t in range(10):
@@ -320,7 +320,7 @@ def test_cosine_phases_schedule_by_hand():
     """lr 1, warm-up 2, period 4, x0.1 from step 6: c(t) = 1 + cos(pi t / 4)."""
     cfg = {**OPTIM, "lr": 1.0, "warmup_steps": 2, "schedule": "cosine_phases", "cosine_steps": 4,
            "step_boundaries": (6,), "step_factor": 0.1}
-    _, schedule = optim.make_optimizer(cfg, 12)
+    _, schedule = optim.make_optimizer(optim.OptimConfig.of(cfg), 12)
     r = math.sqrt(2) / 2
     want = [0.5, 1.0,  # warm-up (step + 1) / 2
             1 / (1 + r), (1 - r) / (1 + r), 0.0,  # c(t) / c(1): it goes on from the warm-up's 1.0
@@ -328,7 +328,7 @@ def test_cosine_phases_schedule_by_hand():
             0.1, 0.1 * (1 + r) / 2, 0.05, 0.1 * (1 - r) / 2, 0.0, 0.1 * (1 - r) / 2]  # restart x0.1
     np.testing.assert_allclose([float(schedule(t)) for t in range(12)], want, rtol=1e-6, atol=1e-9)
     # Without a warm-up or a boundary: the closed-form cosine, periodic past its period.
-    s = optim.make_schedule({**cfg, "warmup_steps": 0, "step_boundaries": ()}, 12)
+    s = optim.make_schedule(optim.OptimConfig.of({**cfg, "warmup_steps": 0, "step_boundaries": ()}), 12)
     np.testing.assert_allclose([float(s(t)) for t in range(9)], [(1 + math.cos(math.pi * t / 4)) / 2 for t in range(9)],
                                atol=1e-7)
 
@@ -350,8 +350,8 @@ def test_cosine_phases_is_the_daa_code_schedule_per_epoch():
             got.append(opt.param_groups[0]["lr"])
             opt.step()
             scheduler.step()
-    ours = optim.make_schedule({**OPTIM, "lr": base, "warmup_steps": 3, "schedule": "cosine_phases",
-                                "cosine_steps": 30, "step_boundaries": (30 / 70,)}, 70)
+    ours = optim.make_schedule(optim.OptimConfig.of({**OPTIM, "lr": base, "warmup_steps": 3, "schedule": "cosine_phases",
+                                "cosine_steps": 30, "step_boundaries": (30 / 70,)}), 70)
     np.testing.assert_allclose([float(ours(e)) for e in range(70)], got, rtol=2e-6, atol=1e-6 * base)  # float32
     assert got[69] == pytest.approx(0.1 * base * (1 + math.cos(math.pi * 39 / 30)) / 2)  # rising again
 
@@ -395,7 +395,7 @@ def assert_mean(state, snapshots):
 @pytest.mark.parametrize("name", ["adamw", "adamp"])
 def test_swa_is_the_mean_of_the_snapshots(name):
     params = small_params()
-    tx, _ = optim.make_optimizer({**OPTIM, **SWA, "name": name}, 10)
+    tx, _ = optim.make_optimizer(optim.OptimConfig.of({**OPTIM, **SWA, "name": name}), 10)
     seen, state = train(tx, params, 7)
     # Parameters after n = 2, 4, 6 updates (seen[n - 1]), logit_scale clamped as the trainer does.
     assert_mean(state, [seen[1], seen[3], seen[5]])
@@ -403,12 +403,12 @@ def test_swa_is_the_mean_of_the_snapshots(name):
     _, state0 = train(tx, params, 1)
     assert int(optim.swa_params(state0)[1]) == 0  # nothing averaged before swa_start_step
     with pytest.raises(ValueError, match="no weight average"):
-        optim.swa_params(optim.make_optimizer(OPTIM, 10)[0].init(params))
+        optim.swa_params(optim.make_optimizer(optim.OptimConfig.of(OPTIM), 10)[0].init(params))
 
 
 def test_swa_survives_a_save_restore_round_trip():
     params = small_params()
-    tx, _ = optim.make_optimizer({**OPTIM, **SWA}, 10)
+    tx, _ = optim.make_optimizer(optim.OptimConfig.of({**OPTIM, **SWA}), 10)
     _, state = train(tx, params, 7)
     part, mid = train(tx, params, 3)
     # "Checkpoint": the leaves as host arrays, restored into the structure of tx.init's shapes.
@@ -424,7 +424,7 @@ def test_swa_round_trips_through_orbax(tmp_path):
 
     params = small_params()
     cfg = {**OPTIM, **SWA, "name": "adamp", "locked": "^text/", "layer_decay": 0.5}
-    tx, _ = optim.make_optimizer(cfg, 10, params)
+    tx, _ = optim.make_optimizer(optim.OptimConfig.of(cfg), 10, params)
     _, state = train(tx, params, 5)
     with ocp.CheckpointManager(tmp_path) as mngr:
         mngr.save(5, args=ocp.args.Composite(opt_state=ocp.args.StandardSave(state)))
@@ -442,18 +442,18 @@ def test_swa_is_carried_across_the_unlock_rebuild():
     params = small_params()
     cfg = {**OPTIM, "swa_start_step": 2, "swa_every_steps": 1, "locked": "^text/", "unlock_step": 3,
            "unlock_warmup_steps": 2}
-    tx0, _ = optim.make_optimizer(cfg, 10, params, step=0)
+    tx0, _ = optim.make_optimizer(optim.OptimConfig.of(cfg), 10, params, step=0)
     before, s0 = train(tx0, params, 3)
-    tx1, _ = optim.make_optimizer(cfg, 10, params, step=3)
+    tx1, _ = optim.make_optimizer(optim.OptimConfig.of(cfg), 10, params, step=3)
     s1 = jax.jit(lambda s, p: optim.transfer_state(s, tx1, p))(s0, before[-1])
     jax.tree.map(np.testing.assert_array_equal, optim.swa_params(s1), optim.swa_params(s0))
     after, s1 = train(tx1, before[-1], 6, state=s1, start=3)
     assert not np.array_equal(after[-1]["text"]["kernel"], params["text"]["kernel"])  # unlocked and trained
     assert_mean(s1, before[1:] + after)  # after 2, 3 (locked text: its constant value), 4, 5, 6 updates
     # Averaging switched on at a resume (a state without it): it counts from the global update count.
-    plain, _ = optim.make_optimizer(OPTIM, 10)
+    plain, _ = optim.make_optimizer(optim.OptimConfig.of(OPTIM), 10)
     _, sp = train(plain, params, 3)
-    with_swa, _ = optim.make_optimizer({**OPTIM, **SWA}, 10)
+    with_swa, _ = optim.make_optimizer(optim.OptimConfig.of({**OPTIM, **SWA}), 10)
     carried = optim.transfer_state(sp, with_swa, params)
     swa_state = [s for s in jax.tree.leaves(carried, is_leaf=optim._is_swa) if optim._is_swa(s)][0]
     assert int(swa_state.count) == 3 and int(swa_state.n) == 0
@@ -461,7 +461,7 @@ def test_swa_is_carried_across_the_unlock_rebuild():
 
 def test_swa_mean_is_sharded_like_the_params():
     params = small_params()
-    tx, _ = optim.make_optimizer({**OPTIM, **SWA, "locked": "^text/"}, 10, params)
+    tx, _ = optim.make_optimizer(optim.OptimConfig.of({**OPTIM, **SWA, "locked": "^text/"}), 10, params)
     abstract = jax.eval_shape(tx.init, params)
     marks = optim.tree_map_params(tx, lambda _, __: "param", abstract, params, transform_non_params=lambda _: "other")
     mean, n = optim.swa_params(marks)
@@ -474,12 +474,12 @@ def test_unlocked_parameters_warm_up_after_unlock_step():
     base = {**OPTIM, "warmup_steps": 2, "locked": "^visual/", "unlock_step": 3}
     cfg = {**base, "unlock_warmup_steps": 4}
     # Before the unlock the chain is the one without the knob.
-    assert (jax.tree.structure(optim.make_optimizer(cfg, 10, params)[0].init(params))
-            == jax.tree.structure(optim.make_optimizer(base, 10, params)[0].init(params)))
-    tx0, _ = optim.make_optimizer(cfg, 10, params, step=0)
+    assert (jax.tree.structure(optim.make_optimizer(optim.OptimConfig.of(cfg), 10, params)[0].init(params))
+            == jax.tree.structure(optim.make_optimizer(optim.OptimConfig.of(base), 10, params)[0].init(params)))
+    tx0, _ = optim.make_optimizer(optim.OptimConfig.of(cfg), 10, params, step=0)
     _, s0 = train(tx0, params, 3)
-    ramped, _ = optim.make_optimizer(cfg, 10, params, step=3)
-    plain, _ = optim.make_optimizer(base, 10, params, step=3)
+    ramped, _ = optim.make_optimizer(optim.OptimConfig.of(cfg), 10, params, step=3)
+    plain, _ = optim.make_optimizer(optim.OptimConfig.of(base), 10, params, step=3)
     sr, sp = optim.transfer_state(s0, ramped, params), optim.transfer_state(s0, plain, params)
     assert jax.tree.structure(sr) == jax.tree.structure(sp)  # same state layout: checkpoints restore
     up_r, up_p = jax.jit(ramped.update), jax.jit(plain.update)
@@ -502,7 +502,7 @@ def test_loss_form_scales_every_gradient_after_unlock_step():
     cfg = {**base, "unlock_warmup_steps": 4, "unlock_warmup_form": "loss"}
 
     def updates(c, factors):
-        txs = [optim.make_optimizer(c, 10, params, step=s)[0] for s in (0, 3)]
+        txs = [optim.make_optimizer(optim.OptimConfig.of(c), 10, params, step=s)[0] for s in (0, 3)]
         state, out = txs[0].init(params), []
         for t in range(9):
             if t == 3:
@@ -524,34 +524,34 @@ def test_loss_form_scales_every_gradient_after_unlock_step():
 # ------------------------------------------------------------------------------ defaults and validation
 def test_defaults_keep_todays_optimizer():
     params = small_params()
-    cfg = {**OPTIM, **optim.FINETUNE_DEFAULTS, **optim.RECIPE_DEFAULTS}
+    cfg = {**OPTIM, **{k: getattr(optim.OptimConfig(), k) for k in optim.LAYOUT_FIELDS}}
     ref = optax.chain(optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8),
                       optax.add_decayed_weights(0.5, mask=optim.decay_mask),
                       optax.scale_by_learning_rate(optim.warmup_cosine(1e-2, 0, 10)))
-    tx, _ = optim.make_optimizer(cfg, 10)
+    tx, _ = optim.make_optimizer(optim.OptimConfig.of(cfg), 10)
     assert jax.tree.structure(tx.init(params)) == jax.tree.structure(ref.init(params))
     ours, _ = train(tx, params, 3)
     theirs, _ = train(ref, params, 3)
     jax.tree.map(np.testing.assert_array_equal, ours, theirs)
     assert optim.OptimConfig().name == "adamw" and optim.OptimConfig().schedule == "warmup_cosine"
-    assert set(optim.LAYOUT_DEFAULTS) >= {"name", "swa_every_steps", "locked"}
+    assert set(optim.LAYOUT_FIELDS) >= {"name", "swa_every_steps", "locked"}
 
 
 def test_every_optim_field_is_validated():
-    """A field added to OptimConfig must reach a validator: the base checks, finetune_config or
-    recipe_config (whose field list is Recipe's)."""
+    """A field added to OptimConfig must be either one of the base fields or a layout field (one
+    that a checkpoint's optimiser is rebuilt from, OptimConfig.with_layout_of)."""
     base = {"lr", "warmup_steps", "b1", "b2", "eps", "weight_decay", "clip_norm", "end_lr"}
     fields = {f.name for f in dataclasses.fields(optim.OptimConfig)}
-    assert fields == base | set(optim.FINETUNE_DEFAULTS) | set(optim.RECIPE_DEFAULTS)
-    assert not set(optim.FINETUNE_DEFAULTS) & set(optim.RECIPE_DEFAULTS)
+    assert fields == base | set(optim.LAYOUT_FIELDS)
+    assert not base & set(optim.LAYOUT_FIELDS)
 
 
 @pytest.mark.parametrize("extra, message", [
-    (dict(name="sgd"), "optim.name must be 'adamw' or 'adamp'"),
+    (dict(name="sgd"), r"config.optim.name='sgd' is not one of \('adamw', 'adamp'\)"),
     (dict(adamp_delta=0.0), "optim.adamp_delta must be a finite number > 0"),
     (dict(adamp_wd_ratio=-1.0), "optim.adamp_wd_ratio must be a finite number >= 0"),
     (dict(adamp_nesterov=True), "optim.adamp_nesterov=True has no effect with optim.name='adamw'"),
-    (dict(schedule="cosine"), "optim.schedule must be 'warmup_cosine', 'step' or 'cosine_phases'"),
+    (dict(schedule="cosine"), r"config.optim.schedule='cosine' is not one of \('warmup_cosine', 'step', 'cosine_phases'\)"),
     (dict(schedule="cosine_phases"), "optim.cosine_steps=0 goes with optim.schedule='cosine_phases'"),
     (dict(cosine_steps=5), "optim.cosine_steps=5 goes with optim.schedule='cosine_phases' .* got optim.schedule='warmup_cosine'"),
     (dict(cosine_steps=-1, schedule="cosine_phases"), "optim.cosine_steps must be an integer >= 0"),
@@ -567,12 +567,12 @@ def test_every_optim_field_is_validated():
     (dict(swa_start_step=5), "optim.swa_start_step=5 has no effect without optim.swa_every_steps"),
     (dict(swa_every_steps=-1), "optim.swa_every_steps must be an integer >= 0"),
     (dict(unlock_warmup_steps=3), "optim.unlock_warmup_steps=3 has no effect without optim.unlock_step"),
-    (dict(unlock_warmup_form="grad"), "optim.unlock_warmup_form must be 'lr' or 'loss'"),
+    (dict(unlock_warmup_form="grad"), r"config.optim.unlock_warmup_form='grad' is not one of \('lr', 'loss'\)"),
     (dict(unlock_warmup_form="loss"), "optim.unlock_warmup_form='loss' has no effect without optim.unlock_warmup_steps"),
 ])
 def test_bad_recipe_settings_are_refused(extra, message):
     with pytest.raises(ValueError, match=message) as e:
-        optim.make_optimizer({**OPTIM, **extra}, 10)
+        optim.make_optimizer(optim.OptimConfig.of({**OPTIM, **extra}), 10)
     assert "\n" not in str(e.value)
 
 

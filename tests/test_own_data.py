@@ -91,12 +91,12 @@ def test_own_data_config_parses_with_overrides():
     assert config.masking.mask_token_id == 5 and tuple(config.masking.protected_ids) == (0, 1)
     # the small-scale loss weights, not the paper's (which leave sigma^2 at init in a short run)
     assert (config.loss.vib_beta, config.loss.alpha_image_text) == (0.1, 1e-3)
-    mcfg = train.model_config(config)
+    mcfg = train.model_config(train.parse_config(config))
     assert (mcfg.vision.image_size, mcfg.text.context_length) == (config.data.image_size, 16)
     # size=small: a model file of its own, image size and context to match
     config, _ = train.parse_command_line([
         "prolip_jax.train", "--config", OWN + ":size=small,steps=7", "--workdir", "/unused"])
-    mcfg = train.model_config(config)
+    mcfg = train.model_config(train.parse_config(config))
     assert config.total_steps == 7 and mcfg.vision.image_size == config.data.image_size == 64
     assert mcfg.text.context_length == config.data.tokenizer.context_length == 32
     with pytest.raises(ValueError, match="unknown size 'huge'"):
@@ -226,7 +226,8 @@ def test_recipe_training_batches_from_png_tar_shards(tmp_path, spm_model):
     _tar_shards(tmp_path / "shards")
     config, _ = train.parse_command_line(["prolip_jax.train", "--config", OWN, "--workdir", "/unused",
                                           *_micro_args(tmp_path, spm_model)])
-    data = build_train_data(config, train.model_config(config))
+    tc = train.parse_config(config)
+    data = build_train_data(tc, train.model_config(tc), train.step_config(tc))
     try:
         batch = next(data)
     finally:

@@ -20,6 +20,7 @@ from prolip_jax.models.prolip import ProLIP
 from prolip_jax.pretrained import bigvision
 from prolip_jax.pretrained.loader import load_pretrained
 from prolip_jax.pretrained.openclip import config_from_open_clip
+from prolip_jax import export
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import convert_from_pytorch  # noqa: E402
@@ -132,7 +133,7 @@ def test_open_clip_export_round_trip_is_bit_exact():
 
 
 def test_prolip_sources_and_export_round_trip(tmp_path, golden_params, golden_config, golden_state_dict):
-    hf = convert.save_hf(tmp_path / "hf", golden_params, golden_config)
+    hf = export.save_hf(tmp_path / "hf", golden_params, golden_config)
     config, params, report = load_pretrained(hf)
     assert (report.format, report.layout, config) == ("prolip", "prolip", golden_config)
     back = convert.flax_to_torch(params, config)

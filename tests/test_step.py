@@ -30,7 +30,7 @@ OPTIM = dict(lr=1e-3, warmup_steps=2, b1=0.9, b2=0.95, eps=1e-6, weight_decay=0.
 @pytest.fixture(scope="module")
 def setup():
     model = ProLIP(get_config("micro"), attention_impl="xla")
-    tx, schedule = optim.make_optimizer(OPTIM, 10)
+    tx, schedule = optim.make_optimizer(optim.OptimConfig.of(OPTIM), 10)
     rng = np.random.default_rng(0)
     batch = {"image": rng.normal(size=(B, 16, 16, 3)).astype(np.float32),
              "text": rng.integers(2, 64, size=(B, 8)).astype(np.int32)}
@@ -119,7 +119,7 @@ def test_nonfinite_update_is_skipped(setup):
     """Finite loss and gradients, non-finite update: Adam with eps = 0 divides 0 by 0 where a
     gradient is exactly 0 (token-embedding rows no caption uses). Nothing of it is kept."""
     model, _, _, batch = setup
-    tx, schedule = optim.make_optimizer({**OPTIM, "eps": 0.0}, 10)
+    tx, schedule = optim.make_optimizer(optim.OptimConfig.of({**OPTIM, "eps": 0.0}), 10)
     mesh = sharding.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), jax.devices()[:1])
     state, _ = S.create_train_state(model, tx, mesh, "replicated", seed=0)
     fresh = jax.device_get(state)

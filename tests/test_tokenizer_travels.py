@@ -23,6 +23,8 @@ from PIL import Image
 
 from input_pipeline import synthetic
 from input_pipeline.tokenizers import build_tokenizer
+from prolip_jax import export
+from input_pipeline import tokenizer_files
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -93,22 +95,23 @@ def test_train_tokenizer_keeps_words_whole_and_reserves_mask(shards, tmp_path):
 # ------------------------------------------------------------------------ masking ids
 def test_masking_ids_must_be_reserved_tokens(tok_path, caplog):
     from prolip_jax.data import check_masking
+    from prolip_jax.step import MaskingConfig
 
     tok = build_tokenizer("sentencepiece", tok_path, context_length=8)
-    check_masking(tok, {"mask_token_id": 3, "protected_ids": (1,)}, 512)
-    check_masking(tok, {"mask_token_id": 400, "protected_ids": (1,)}, 512)  # past the vocab: never produced
+    check_masking(tok, MaskingConfig(mask_token_id=3, protected_ids=(1,)), 512)
+    check_masking(tok, MaskingConfig(mask_token_id=400, protected_ids=(1,)), 512)  # past the vocab: never produced
     with pytest.raises(ValueError, match=r"mask_token_id=2 is '<unk>' \(the unknown-word id\).*"
                                          r"--config.masking.mask_token_id=3 \('\[MASK\]'\)"):
-        check_masking(tok, {"mask_token_id": 2, "protected_ids": (1,)}, 512)
+        check_masking(tok, MaskingConfig(mask_token_id=2, protected_ids=(1,)), 512)
     seven = tok.backend.piece_to_id("\u2581seven")
     with pytest.raises(ValueError, match=rf"mask_token_id={seven} is '\u2581seven' \(an ordinary piece"):
-        check_masking(tok, {"mask_token_id": seven, "protected_ids": (1,)}, 512)
+        check_masking(tok, MaskingConfig(mask_token_id=seven, protected_ids=(1,)), 512)
     with pytest.raises(ValueError, match="pad/EOS id"):
-        check_masking(tok, {"mask_token_id": 1, "protected_ids": (1,)}, 512)
+        check_masking(tok, MaskingConfig(mask_token_id=1, protected_ids=(1,)), 512)
     with pytest.raises(ValueError, match=r"lacks the pad id 1 .*protected_ids='\(0, 1\)'"):
-        check_masking(tok, {"mask_token_id": 3, "protected_ids": (0,)}, 512)
+        check_masking(tok, MaskingConfig(mask_token_id=3, protected_ids=(0,)), 512)
     with pytest.raises(ValueError, match="a word there would never be masked"):
-        check_masking(tok, {"mask_token_id": 3, "protected_ids": (1, seven)}, 512)
+        check_masking(tok, MaskingConfig(mask_token_id=3, protected_ids=(1, seven)), 512)
 
 
 def test_unk_mask_id_is_refused_before_compiling(shards, tok_path, tmp_path):
@@ -188,8 +191,9 @@ def trained(shards, tok_path, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("run")
     cfg = train.with_defaults(_config(tmp, shards[0], tok_path))
-    mcfg = train.model_config(cfg)
-    data = build_train_data(cfg, mcfg)
+    tc = train.parse_config(cfg)
+    mcfg = train.model_config(tc)
+    data = build_train_data(tc, mcfg, train.step_config(tc))
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda a: (0.1 * rng.standard_normal(a.shape)).astype(a.dtype), abstract_params(mcfg))
     state = types.SimpleNamespace(params=params, opt_state={"count": np.zeros((), np.int32)},
@@ -235,7 +239,7 @@ def test_checkpoint_records_the_tokenizer_and_load_uses_it(trained, tok_path):
     try:
         stored.write_bytes(original + b"x")
         with pytest.raises(ValueError, match="has changed since training"):
-            checkpoint.load_tokenizer(workdir / "checkpoints")
+            tokenizer_files.from_checkpoint(workdir / "checkpoints")
     finally:
         stored.write_bytes(original)
 
@@ -244,11 +248,12 @@ def test_best_checkpoint_records_the_tokenizer(trained, tmp_path):
     from prolip_jax import checkpoint
 
     params, config, _ = checkpoint.load_params(trained[0] / "checkpoints")
-    tf = checkpoint.load_tokenizer_file(trained[0] / "checkpoints")
-    best = checkpoint.BestKeeper(tmp_path / "best", dict(metric="m", mode="max", baseline=0.0), config, tokenizer=tf)
+    tf = tokenizer_files.file_from_checkpoint(trained[0] / "checkpoints")
+    best = checkpoint.BestKeeper(tmp_path / "best", checkpoint.KeepBestConfig(metric="m", mode="max", baseline=0.0), config,
+                                  tokenizer=tf)
     assert best.offer(3, 0.5, params)
     best.close()
-    tok = checkpoint.load_tokenizer(tmp_path / "best")
+    tok = tokenizer_files.from_checkpoint(tmp_path / "best")
     assert tok.vocab_size == tf.build_in_memory().vocab_size and tok.mask_id == 3
 
 
@@ -311,11 +316,10 @@ def test_export_carries_the_tokenizer_and_normalisation(trained, tok_path, tmp_p
 
 
 def test_export_without_tokenizer_has_normal_permissions(tmp_path, golden_params, golden_config):
-    from prolip_jax import convert
 
     old = os.umask(0o022)
     try:
-        hf = convert.save_hf(tmp_path / "hf", golden_params, golden_config)
+        hf = export.save_hf(tmp_path / "hf", golden_params, golden_config)
     finally:
         os.umask(old)
     assert stat.S_IMODE((hf / "model.safetensors").stat().st_mode) == 0o644

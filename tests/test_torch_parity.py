@@ -20,6 +20,7 @@ import prolip_jax  # noqa: E402
 from conftest import max_rel_err  # noqa: E402
 from prolip_jax import convert  # noqa: E402
 from prolip_jax.models import get_config, init_params  # noqa: E402
+from prolip_jax import export
 from torch_reference import TorchProLIP  # noqa: E402
 
 OTHER_SIZES = {
@@ -59,7 +60,7 @@ def _perturbed_params(cfg):
 def test_export_loads_into_torch_and_matches(tmp_path, name):
     cfg = get_config(OTHER_SIZES[name])
     params = _perturbed_params(cfg)
-    convert.save_hf(tmp_path / "hf", params, cfg)
+    export.save_hf(tmp_path / "hf", params, cfg)
     hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
     model = TorchProLIP(hf_config).eval()
     sd = convert.read_safetensors(tmp_path / "hf" / "model.safetensors")

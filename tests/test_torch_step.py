@@ -32,7 +32,7 @@ OPTIM = dict(lr=1e-3, warmup_steps=2, b1=0.9, b2=0.95, eps=1e-6, weight_decay=0.
 def test_torch_step_matches_ours():
     cfg = get_config("micro")
     model = ProLIP(cfg, attention_impl="xla")
-    tx, schedule = optim.make_optimizer(OPTIM, 10)
+    tx, schedule = optim.make_optimizer(optim.OptimConfig.of(OPTIM), 10)
     mesh = sharding.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), jax.devices()[:1])
     state, _ = S.create_train_state(model, tx, mesh, "replicated", seed=0)
     params0 = jax.device_get(state.params)

@@ -13,6 +13,7 @@ import pytest
 
 from prolip_jax import checkpoint, train
 from prolip_jax.metrics import read_jsonl
+from input_pipeline import tokenizer_files
 
 N = 3  # steps before the interruption
 
@@ -102,7 +103,7 @@ def test_best_checkpoint_by_a_metric(runs):
     # One step kept (max_to_keep=1), beside the tokenizer file its config records.
     assert step == best_step and sorted(p.name for p in (tmp / "straight" / "best").iterdir()
                                         if not p.name.startswith("tokenizer-")) == [str(best_step)]
-    assert checkpoint.load_tokenizer(tmp / "straight" / "best").mask_id == 2  # the demo's, recorded
+    assert tokenizer_files.from_checkpoint(tmp / "straight" / "best").mask_id == 2  # the demo's, recorded
     _, meta, _ = checkpoint.load_config(tmp / "straight" / "best")
     assert meta["best"] == {"metric": "eval/zeroshot/object/top1_csd", "value": pytest.approx(top1[best_step]),
                             "step": best_step}
@@ -169,16 +170,16 @@ def test_bad_configs_fail_before_compiling(tmp_path):
 def test_model_embed_dim_override(tmp_path):
     """config.model.embed_dim replaces the variant's joint embedding size (PCME++'s 1024-d on
     CLIP's trunks); 0 keeps it; a negative size or one the towers cannot take is an error."""
-    base = train.model_config(tiny_config(tmp_path))
-    assert train.model_config(tiny_config(tmp_path, **{"model.embed_dim": 0})) == base
+    base = train.model_config(train.parse_config(tiny_config(tmp_path)))
+    assert train.model_config(train.parse_config(tiny_config(tmp_path, **{"model.embed_dim": 0}))) == base
     heads = {"model.vision": {"unc_head": "block", "pool": "gpo"},
              "model.text": {"unc_head": "block", "pool": "gpo", "pad_id": 0}}
-    wide = train.model_config(tiny_config(tmp_path, **heads, **{"model.embed_dim": 2 * base.embed_dim}))
+    wide = train.model_config(train.parse_config(tiny_config(tmp_path, **heads, **{"model.embed_dim": 2 * base.embed_dim})))
     assert wide.embed_dim == 2 * base.embed_dim and wide.vision.width == base.vision.width
     with pytest.raises(ValueError, match="config.model.embed_dim=-1 must be > 0"):
-        train.model_config(tiny_config(tmp_path, **{"model.embed_dim": -1}))
+        train.model_config(train.parse_config(tiny_config(tmp_path, **{"model.embed_dim": -1})))
     with pytest.raises(ValueError, match="text width .* must equal embed_dim"):   # ProLIP's text head
-        train.model_config(tiny_config(tmp_path, **{"model.embed_dim": 2 * base.embed_dim}))
+        train.model_config(train.parse_config(tiny_config(tmp_path, **{"model.embed_dim": 2 * base.embed_dim})))
 
 
 def test_nonfinite_run_stops_with_last_good_checkpoint(tmp_path):

@@ -60,7 +60,7 @@ def test_finetune_from_clip_with_the_image_tower_locked(tmp_path, clip_dir):
     assert kinds["visual/unc_embedding"] == "new" and kinds["text/positional_embedding"] == "resized"
 
     # What the trainer started from: the warm start of its fresh init (same seed, same values).
-    mcfg = train.model_config(cfg)
+    mcfg = train.model_config(train.parse_config(cfg))
     start, _ = warm_start.init_from_config(cfg.init, mcfg, jax.device_get(init_params(mcfg, jax.random.key(cfg.seed))))
     start = _flat(start)
     last, _, step = checkpoint.load_params(ckpts)
@@ -103,8 +103,7 @@ def test_recipes_fit_their_sources(recipe, source_arch):
     from prolip_jax.pretrained.openclip import arch_config
 
     cfg = train.with_defaults(config_args.load_config_file(f"{ROOT}/configs/finetune.py:recipe={recipe}"))
-    train.check_fields(cfg)
-    target = train.model_config(cfg)
+    target = train.model_config(train.parse_config(cfg))
     assert cfg.data.tokenizer.context_length == target.text.context_length
     assert cfg.data.image_size == target.vision.image_size
     source = get_config(source_arch) if "/" in source_arch else config_from_open_clip(arch_config(source_arch))

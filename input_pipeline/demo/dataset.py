@@ -35,6 +35,7 @@ import numpy as np
 from PIL import Image
 
 from input_pipeline import records, transforms
+from prolip_jax.normalization import normalize
 from input_pipeline.decode import load_rgb
 from input_pipeline.demo import render
 
@@ -234,7 +235,7 @@ class DemoDataset:
         image = np.stack(images)
         tok = self.tokenizer(context_length)
         caps = np.asarray(captions)
-        out = {"image": (transforms.normalize(image, normalization)
+        out = {"image": (normalize(image, normalization)
                          if image_dtype == "float32" else image),
                "captions": caps,
                "text": tok(caps.reshape(-1).tolist()).reshape(*caps.shape, -1)}

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from prolip_jax.models.transformer import uniform
+from prolip_jax.models.transformer import Linear, constant, uniform
 
 GPO_TEMPERATURE = 0.1  # softmax(scores / 0.1), gpo.py compute_pool_weights
 GPO_PAD_SCORE = -10000.0  # scores of padded positions, gpo.py
@@ -168,8 +168,6 @@ def unc_projection(x: jax.Array, embed_dim: int, covariance: str, kernel_init, b
     """The log sigma^2 branch's own Linear(width -> embed_dim), named `unc_projection`, created
     in the calling (compact) module. covariance 'spherical': Linear(width -> 1), broadcast to
     embed_dim (Pishdad et al. §4.2 'spherical-one value': one variance per input)."""
-    from prolip_jax.models.transformer import Linear, constant
-
     features = 1 if covariance == "spherical" else embed_dim
     y = Linear(features, ("embed", "proj"), kernel_init(x.shape[-1], features), constant(bias), dtype,
                name="unc_projection")(x)

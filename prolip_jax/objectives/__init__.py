@@ -14,6 +14,9 @@ An objective module defines
   SOFT_TARGETS  bool: accepts a match-target matrix other than the identity (several positives
                 per row, MSDA's soft labels). Objectives that cannot (triplet, InfoNCE) say False
                 and the config check refuses MSDA / multi-positive targets with them.
+  check_targets optional (cfg, identity: bool) -> None: raises a one-line ValueError before
+                compiling when this configuration cannot take targets other than the identity
+                (ProLIP's ring PPCL).
   USES_STEP     optional bool (default False): `loss` also takes `step`, the global step as a
                 traced int scalar (schedules inside the objective, e.g. VSE∞'s warm-up).
   loss(out, cfg, *, targets=None, masked=None, masked_rows=None, rng=None, mesh=None[, step])

@@ -63,8 +63,6 @@ def resolve(repo_id: str, prefer: str = "auto") -> Path:
             pickled = PICKLED_WEIGHTS[weights_name]
             pickled_path = _fetch(repo_id, pickled)
             if pickled_path is not None:
-                from prolip_jax.pretrained.loader import pickle_message
-
                 raise ValueError(f"Hugging Face repo {repo_id!r} has {pickled} but no {weights_name}. "
                                  + pickle_message(pickled_path))
             raise FileNotFoundError(_missing(repo_id, [weights_name]))
@@ -83,3 +81,14 @@ def _missing(repo_id: str, files: list[str]) -> str:
     return (f"Hugging Face repo {repo_id!r}: none of {files} is available: {how}. Download them with "
             f"`huggingface-cli download {repo_id} {' '.join(files)}` where the hub is reachable, or pass a "
             "local folder")
+
+
+def pickle_message(path: str | os.PathLike) -> str:
+    out = Path(path).with_suffix(".safetensors").name
+    return (f"{Path(path).name} is a pickled PyTorch file, which prolip_jax refuses to load (unpickling can "
+            f"run code). Convert it once where PyTorch is installed:\n  python -c \"import torch; "
+            f"from safetensors.torch import save_file; sd = torch.load('{path}', map_location='cpu', "
+            f"weights_only=True); sd = sd.get('state_dict', sd); "
+            f"save_file({{k: v.contiguous() for k, v in sd.items()}}, '{out}')\"\n"
+            f"(name it open_clip_model.safetensors for an open_clip model, model.safetensors for a ProLIP "
+            f"folder) and pass the .safetensors file or its folder.")

@@ -19,11 +19,14 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+import jax
 import numpy as np
 
-from prolip_jax import convert
+from prolip_jax import checkpoint, convert
 from prolip_jax.models.config import VARIANTS, ProLIPConfig, get_config
+from prolip_jax.models.prolip import abstract_params
 from prolip_jax.pretrained import bigvision, hub, openclip
+from prolip_jax.pretrained.hub import pickle_message
 
 FORMATS = ("auto", "prolip", "open_clip", "timm_siglip", "big_vision")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -47,17 +50,6 @@ class ImportReport:
         if self.unplaced:
             lines.append(f"  {len(self.unplaced)} source key(s) without a place, dropped: {self.unplaced}")
         return "\n".join(lines)
-
-
-def pickle_message(path: str | os.PathLike) -> str:
-    out = Path(path).with_suffix(".safetensors").name
-    return (f"{Path(path).name} is a pickled PyTorch file, which prolip_jax refuses to load (unpickling can "
-            f"run code). Convert it once where PyTorch is installed:\n  python -c \"import torch; "
-            f"from safetensors.torch import save_file; sd = torch.load('{path}', map_location='cpu', "
-            f"weights_only=True); sd = sd.get('state_dict', sd); "
-            f"save_file({{k: v.contiguous() for k, v in sd.items()}}, '{out}')\"\n"
-            f"(name it open_clip_model.safetensors for an open_clip model, model.safetensors for a ProLIP "
-            f"folder) and pass the .safetensors file or its folder.")
 
 
 def load_pretrained(path_or_repo: str | os.PathLike, format: str = "auto",
@@ -87,8 +79,6 @@ def load_pretrained(path_or_repo: str | os.PathLike, format: str = "auto",
         raise FileNotFoundError(f"{path} does not exist (and is not a Hugging Face repo id 'org/name')")
 
     if path.is_dir():
-        from prolip_jax import checkpoint
-
         if checkpoint.is_checkpoint(path):
             return _own_checkpoint(path, format)
         path = _weights_in(path)
@@ -162,10 +152,6 @@ def _config(fmt: str, path: Path, arch: Any, flat: Mapping[str, np.ndarray]) -> 
 
 def _place(flat: Mapping[str, np.ndarray], config: ProLIPConfig, rules: list[convert.Rule],
            report: ImportReport, allow_unplaced: bool) -> tuple[ProLIPConfig, dict, ImportReport]:
-    import jax
-
-    from prolip_jax.models.prolip import abstract_params
-
     abstract = abstract_params(config)
     missing, unexpected, wrong = convert.mismatches(flat, convert.rule_shapes(rules, abstract))
     if missing or wrong:
@@ -193,8 +179,6 @@ def _place(flat: Mapping[str, np.ndarray], config: ProLIPConfig, rules: list[con
 
 
 def _own_checkpoint(path: Path, fmt: str) -> tuple[ProLIPConfig, dict, ImportReport]:
-    from prolip_jax import checkpoint
-
     if fmt not in ("auto", "prolip"):
         raise ValueError(f"format={fmt!r} was requested but {path} is a prolip_jax checkpoint (format 'prolip')")
     params, config, step = checkpoint.load_params(path)

@@ -34,6 +34,7 @@ from typing import Any, Callable, Literal, Mapping
 import numpy as np
 
 from prolip_jax.models.config import ProLIPConfig
+from prolip_jax.pretrained.loader import load_pretrained
 
 # `config.init` knobs (the trainer's config section; ml_collections cannot hold None, hence "").
 @dataclasses.dataclass(frozen=True)
@@ -181,17 +182,16 @@ def init_from_config(init_cfg: Mapping[str, Any] | None, target: ProLIPConfig, f
     return (fresh_params, None) if apply is None else apply(fresh_params)
 
 
-def prepare(init_cfg: Mapping[str, Any] | None, target: ProLIPConfig, param_shapes: Mapping[str, Any]
+def prepare(init_cfg: InitConfig | Mapping[str, Any] | None, target: ProLIPConfig, param_shapes: Mapping[str, Any]
             ) -> Callable[[Mapping[str, Any]], tuple[dict, WarmStartReport]] | None:
     """Imports the source of `config.init` and checks it against the target's parameter shapes
     (anything with `.shape`: `jax.eval_shape` output will do), so a bad source or an unexpected
     mismatch stops a run before anything compiles. Returns `apply(fresh_params) -> (params,
-    report)`, or None when `init_cfg` has no path."""
-    cfg = resolve_init_config(init_cfg)
+    report)`, or None when `init_cfg` has no path. The trainer passes its parsed InitConfig;
+    a mapping (a library caller's, whose `arch` may also be a ProLIPConfig) is resolved here."""
+    cfg = dataclasses.asdict(init_cfg) if isinstance(init_cfg, InitConfig) else resolve_init_config(init_cfg)
     if not cfg["path"]:
         return None
-    from prolip_jax.pretrained.loader import load_pretrained
-
     src_config, src_params, imported = load_pretrained(cfg["path"], format=cfg["format"], arch=cfg["arch"] or None)
     absent = tuple(imported.filled)
     check_fit(target, param_shapes, src_config, {k: v for k, v in _flatten(src_params).items() if k not in absent},

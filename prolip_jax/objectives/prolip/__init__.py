@@ -139,6 +139,13 @@ def prolip_loss(out: dict[str, jax.Array], masked: dict[str, jax.Array] | None =
     return total, terms
 
 
+def check_targets(cfg: Config, identity: bool) -> None:
+    """Before compiling: the ring scores the diagonal only, so it takes identity targets alone."""
+    if cfg.ppcl_impl == "ring" and not identity:
+        raise ValueError("config.loss.ppcl_impl='ring' scores one positive per row; multi-positive or MSDA "
+                         "targets need ppcl_impl='dense'")
+
+
 def loss(out, cfg: Config, *, targets=None, masked=None, masked_rows=None, rng=None, mesh=None):
     """The registry entry point (prolip_jax/objectives/__init__.py): `prolip_loss` with PPCL laid
     out by `cfg.ppcl_impl`."""

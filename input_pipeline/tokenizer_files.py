@@ -9,12 +9,11 @@ A model's token ids mean nothing without the exact tokenizer file that produced 
       "tokenizer": {"kind", "file", "sha256", "kwargs", "mask_token_id", "protected_ids"}
   (`kwargs`: `input_pipeline.tokenizers.build_tokenizer`'s, context_length included), so the
   exact tokenizer of training is rebuilt (`tokenizer_from_record`) and a changed file is an error;
-* an exported Hugging Face folder (`convert.save_hf`) gets the file under its usual name, the
+* an exported Hugging Face folder (`prolip_jax.export.save_hf`) gets the file under its usual name, the
   same record as `prolip_tokenizer.json`, and for PyTorch users a `tokenizer.json` +
   `tokenizer_config.json` that `transformers.AutoTokenizer` / open_clip's `HFTokenizer` load.
 
-Files written here get the permissions of a normal file (0666 minus the umask), not the 0600 of
-a temporary file.
+Files are written atomically with the permissions of a normal file (input_pipeline/paths.py).
 """
 from __future__ import annotations
 
@@ -25,54 +24,17 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
+
+from etils import epath
+
+from input_pipeline import tokenizers as T
+from input_pipeline.paths import write_bytes_atomic
+from prolip_jax import checkpoint
 
 RECORD_NAME = "prolip_tokenizer.json"  # the record inside an exported Hugging Face folder
 # The usual file name of each kind inside an export (transformers' names for the first two).
 EXPORT_NAMES = {"sentencepiece": "tokenizer.model", "hf": "tokenizer.json", "clip_bpe": "bpe_simple_vocab_16e6.txt"}
-
-
-# --------------------------------------------------------------------------- permissions
-def umask() -> int:
-    """The process umask (read without changing it where /proc allows)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)  # elsewhere: set and restore (not thread-safe, hence the /proc path)
-    os.umask(mask)
-    return mask
-
-
-def chmod_default(path: str | os.PathLike) -> None:
-    """Gives `path` the mode a plain `open(..., "w")` / `mkdir` would: 0666 (files) or 0777
-    (folders) minus the umask. Temporary files and folders (tempfile.mkstemp / mkdtemp, and
-    safetensors' own writer) are created 0600 / 0700, which would lock out everyone else."""
-    base = 0o777 if os.path.isdir(path) else 0o666
-    os.chmod(path, base & ~umask())
-
-
-def write_bytes_atomic(path: Any, data: bytes) -> None:
-    """Writes `data` to `path` (a local path or an etils epath, e.g. gs://) so that a reader never
-    sees a partial file: local files go through a temporary sibling and a rename."""
-    s = os.fspath(path) if not hasattr(path, "as_uri") or isinstance(path, Path) else str(path)
-    if "://" in s:
-        path.write_bytes(data)  # object stores replace an object atomically
-        return
-    directory = os.path.dirname(s) or "."
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(s)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        chmod_default(tmp)
-        os.replace(tmp, s)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 # --------------------------------------------------------------------------- the record
@@ -119,8 +81,6 @@ class TokenizerFile:
     def write_into(self, directory: Any, name: str | None = None) -> dict[str, Any]:
         """Writes the file into `directory` (unless already there with this content) and returns
         its record. `directory`: a local path or an etils epath."""
-        from etils import epath
-
         name = name or self.stored_name
         target = epath.Path(directory) / name
         if not (target.exists() and _sha256_of(target) == self.sha256):
@@ -130,9 +90,7 @@ class TokenizerFile:
     @classmethod
     def of(cls, tokenizer: Any, masking: Any = None) -> "TokenizerFile | None":
         """The file behind an `input_pipeline.tokenizers` tokenizer (or the demo's); None for
-        anything else (a test's stand-in). `masking`: the trainer's config.masking."""
-        from input_pipeline import tokenizers as T
-
+        anything else (a test's stand-in). `masking`: the trainer's typed config.masking (prolip_jax.step.MaskingConfig)."""
         if isinstance(tokenizer, T.SentencePieceTokenizer):
             kind, content = "sentencepiece", tokenizer._model_bytes
             kwargs = dict(clean=tokenizer.clean, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
@@ -153,14 +111,12 @@ class TokenizerFile:
         kwargs["context_length"] = int(tokenizer.context_length)
         mask, protected = None, ()
         if masking is not None:
-            mask, protected = int(masking["mask_token_id"]), tuple(int(i) for i in masking["protected_ids"])
+            mask, protected = int(masking.mask_token_id), tuple(int(i) for i in masking.protected_ids)
         return cls(kind, bytes(content), kwargs, mask, protected)
 
     @classmethod
     def read(cls, directory: Any, record: Mapping[str, Any]) -> "TokenizerFile":
         """The recorded file from `directory`; an error if it is missing or its content changed."""
-        from etils import epath
-
         path = epath.Path(directory) / record["file"]
         if not path.exists():
             raise FileNotFoundError(f"the model's tokenizer {path} is missing (recorded with sha256 "
@@ -176,12 +132,10 @@ class TokenizerFile:
     def build(self, path: str | os.PathLike, context_length: int | None = None) -> Any:
         """The tokenizer, read from `path` (this file's content); `mask_id` / `protected_ids`
         attributes carry the training's masking ids (evaluators read `mask_id`)."""
-        from input_pipeline.tokenizers import build_tokenizer
-
         kwargs = dict(self.kwargs)
         if context_length is not None:
             kwargs["context_length"] = int(context_length)
-        tok = build_tokenizer(self.kind, path, **kwargs)
+        tok = T.build_tokenizer(self.kind, path, **kwargs)
         if self.mask_token_id is not None:
             tok.mask_id = self.mask_token_id
         tok.protected_ids = tuple(self.protected_ids)
@@ -205,8 +159,6 @@ def tokenizer_from_record(directory: Any, record: Mapping[str, Any] | None,
     """The recorded tokenizer of a checkpoint directory / export folder, or None without a record."""
     if not record:
         return None
-    from etils import epath
-
     tf = TokenizerFile.read(directory, record)
     return tf.build(os.fspath(epath.Path(directory) / record["file"]), context_length)
 
@@ -305,12 +257,19 @@ def spm_to_hf_json(tf: TokenizerFile) -> bytes | None:
     return tok.to_str(pretty=True).encode("utf-8")
 
 
-def preprocessor_config(image_size: int, mean: Sequence[float], std: Sequence[float]) -> dict[str, Any]:
-    """`preprocessor_config.json` of an export: transformers' CLIPImageProcessor with the
-    training's evaluation transform (bicubic shortest-side resize, centre crop) and
-    normalisation; `prolip_jax.load(<folder>)` reads the mean/std back."""
-    return {"image_processor_type": "CLIPImageProcessor", "do_convert_rgb": True,
-            "do_resize": True, "size": {"shortest_edge": int(image_size)}, "resample": 3,
-            "do_center_crop": True, "crop_size": {"height": int(image_size), "width": int(image_size)},
-            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-            "image_mean": [float(x) for x in mean], "image_std": [float(x) for x in std]}
+# --------------------------------------------------------------------------- checkpoints
+def from_checkpoint(path: str | os.PathLike, step: int | None = None, context_length: int | None = None) -> Any:
+    """The tokenizer a checkpoint was trained with (rebuilt from the file recorded beside it,
+    its sha256 checked; `mask_id` / `protected_ids` attributes hold the training's masking ids),
+    or None for a checkpoint that records none (written before tokenizers were recorded, or
+    trained on random tokens). context_length: default the training's."""
+    root, step = checkpoint.resolve(path, step)
+    meta = checkpoint.load_config(root, step)[1]
+    return tokenizer_from_record(root, meta.get("tokenizer"), context_length)
+
+
+def file_from_checkpoint(path: str | os.PathLike, step: int | None = None) -> "TokenizerFile | None":
+    """The recorded TokenizerFile of a checkpoint (None if none is recorded)."""
+    root, step = checkpoint.resolve(path, step)
+    record = checkpoint.load_config(root, step)[1].get("tokenizer")
+    return TokenizerFile.read(root, record) if record else None
