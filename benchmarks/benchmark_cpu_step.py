@@ -102,7 +102,7 @@ def main() -> None:
     import numpy as np
 
     from benchmark_step import load_config, set_field  # benchmarks/benchmark_step.py
-    from input_pipeline.transforms import normalize
+    from prolip_jax.normalization import normalize
 
     torch.set_num_threads(args.threads)
     config = load_config(args.config)

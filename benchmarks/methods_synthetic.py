@@ -106,7 +106,7 @@ def train_and_evaluate(objective: str, steps: int = 300, seed: int = 0, batch: i
     module = objectives.get(objective)
     step_cfg = step_lib.StepConfig(objective=objective, loss=module.Config(**knobs), seed=seed,
                                    masking=step_lib.MaskingConfig(mask_token_id=MASK, protected_ids=(PAD,)))
-    tx, schedule = optim.make_optimizer(OPTIM, steps)
+    tx, schedule = optim.make_optimizer(optim.OptimConfig.of(OPTIM), steps)
     mesh = sharding.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), jax.devices()[:1])
     t0 = time.time()
     train_step = jax.jit(step_lib.make_train_step(model, tx, schedule, step_cfg, mesh, batch), donate_argnums=0)

@@ -293,7 +293,7 @@ def test_evaluator_karpathy_coco_folds(setup, tmp_path):
     res = dict(ev.run(params))
     data = ev.data()
     images = np.concatenate([b["image"][b["mask"]] for b in data.batches(4, 16)])
-    from input_pipeline.transforms import normalize
+    from prolip_jax.normalization import normalize
     tokens = tok(data.captions)
     emb = embed(model, params, normalize(images), tokens)
     full = dense_metrics(emb, data.caption_record, "csd")
