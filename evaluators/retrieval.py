@@ -46,8 +46,9 @@ _MANY_POSITIVES = 32   # above this many positives per query, rank by one full s
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-    """The retrieval evaluator's knobs: config.evals.<name> with type="retrieval"."""
+class PairedSet:
+    """An image-caption set and how it is encoded: the fields every evaluator of paired data
+    shares (this one and evaluators/modality_gap.py); `load_data` reads the set."""
     # --- the data (`load_data`; a dataset's required fields are checked when it is read)
     dataset: Literal["demo", "karpathy", "cub", "tfds", "tar"] = "demo"
     demo: dict = dataclasses.field(default_factory=dict)  # demo: kwargs of input_pipeline.demo.get_demo
@@ -67,15 +68,26 @@ class Config:
     name: str = ""                   # data set name in the metric names; "": demo / coco / flickr30k ...
     tokenizer: dict = dataclasses.field(default_factory=dict)  # kwargs of build_tokenizer (kind,
     #                                  path, ...), when no tokenizer is passed in (not for demo)
-    # --- scoring and encoding
-    scores: tuple[Literal["csd", "dot"], ...] = ("csd", "dot")   # -CSD (mu alone for a
-    #                                  deterministic model) and/or mu.mu
-    ks: tuple[int, ...] = KS         # the K of R@K
+    # --- encoding
     batch_size: int = 256            # images per batch, per host
-    block: int = 1024                # query rows per device block
     image_size: int | None = None    # None: the model's vision.image_size
     normalization: str = "openai"    # image normalisation of the encoder
     num_threads: int = 8             # image reading threads per host
+
+    def validate(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError("retrieval evaluator: batch_size must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(PairedSet):
+    """The retrieval evaluator's knobs: config.evals.<name> with type="retrieval" (the set and
+    its encoding: PairedSet's fields)."""
+    # --- scoring
+    scores: tuple[Literal["csd", "dot"], ...] = ("csd", "dot")   # -CSD (mu alone for a
+    #                                  deterministic model) and/or mu.mu
+    ks: tuple[int, ...] = KS         # the K of R@K
+    block: int = 1024                # query rows per device block
     # --- protocols
     num_folds: int | None = None     # the 1K protocol's folds; None: 5 for COCO, else 0
     fold_size: int = 1000            # images per fold
@@ -96,11 +108,11 @@ class Config:
     asp_captions_per_image: int = 5  # P of DAA Eq. 7
 
     def validate(self) -> None:
+        super().validate()
         if not self.ks or min(self.ks) < 1:
             raise ValueError(f"retrieval evaluator: ks={self.ks}; give K >= 1")
-        if self.block < 1 or self.batch_size < 1:
-            raise ValueError("retrieval evaluator: block and batch_size must be >= 1")
-
+        if self.block < 1:
+            raise ValueError("retrieval evaluator: block must be >= 1")
 
 
 # =====================================================================================
@@ -298,7 +310,7 @@ def blocked_ranks(q_mu: np.ndarray, q_lv: np.ndarray, g_mu: np.ndarray, g_lv: np
 # Data: evaluators/retrieval_data.py readers, input_pipeline.eval_data demo sets (images read
 # sharded over the hosts, captions known to all).
 # =====================================================================================
-def load_data(c: Config) -> EvalSet:
+def load_data(c: PairedSet) -> EvalSet:
     kind = c.dataset
     if kind == "demo":
         data = eval_data.demo("retrieval", c.demo)
