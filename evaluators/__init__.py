@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Protocol
 
-from evaluators import hierarcaps, retrieval, suite, uncertainty, zeroshot
+from evaluators import hierarcaps, modality_gap, retrieval, suite, uncertainty, zeroshot
 
 
 class Evaluator(Protocol):
@@ -34,6 +34,7 @@ REGISTRY: dict[str, type] = {
     "uncertainty": uncertainty.Evaluator,
     "datacomp38": suite.Evaluator,
     "hierarcaps": hierarcaps.Evaluator,
+    "modality_gap": modality_gap.Evaluator,
 }
 
 
