@@ -54,6 +54,7 @@ REGISTRY: dict[str, str] = {
     "pcme_daa": "prolip_jax.objectives.daa:pcme_daa",
     "vse_daa": "prolip_jax.objectives.daa:vse_daa",
     "smooth_ap": "prolip_jax.objectives.smooth_ap",
+    "cyclip": "prolip_jax.objectives.cyclip",
 }
 
 
