@@ -58,6 +58,9 @@ class RunConfig:
     keep_checkpoints: int = 3
     max_nonfinite_in_a_row: int = 10  # skipped updates in a row before the run stops
     evals: Any = dataclasses.field(default_factory=dict)  # name -> evaluator config (build_evaluators)
+    # A fresh run (not a resume) first runs every evaluator on its starting parameters and logs
+    # them at step 0: what a warm start scores before any update (the baseline of a fine-tune).
+    eval_at_start: bool = False
 
     def validate(self) -> None:
         for name in ("total_steps", "batch_size", "microbatches", "log_steps", "checkpoint_steps",
@@ -428,6 +431,12 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
     t_log, step_log = time.time(), start
     step = start
     try:
+        if run.eval_at_start and start == 0 and evaluators:
+            values = {settings["prefix"] + k: v for settings, evaluator in evaluators
+                      for k, v in evaluator.run(state.params)}
+            logged.update(values)
+            writer.write(0, values)
+            t_log = time.time()  # the evaluation is not training step time
         while step < run.total_steps:
             batch = sharding.global_batch(next(data), mesh)
             profiler.before_step(step)

@@ -219,3 +219,20 @@ def test_tokenizer_larger_than_the_model_is_refused_before_compiling(tmp_path):
     with pytest.raises(ValueError, match=r"the tokenizer has \d+ tokens but the model's text embedding has 16 rows"):
         train.train(cfg, str(tmp_path / "vocab"))
     assert not (tmp_path / "vocab").exists()
+
+
+def test_eval_at_start_logs_the_starting_parameters_once(tmp_path):
+    """config.eval_at_start: a fresh run evaluates before its first update and logs step 0; the
+    run resumed later does not evaluate its starting point again."""
+    def config():
+        cfg = tiny_config(tmp_path, total_steps=2, eval_at_start=True)
+        cfg.evals.zs = dict(type="zeroshot", log_steps=100, prefix="eval/", dataset="demo", task="object",
+                            demo=dict(cfg.data.demo), name="object")
+        return cfg
+
+    train.train(config(), str(tmp_path / "run"), stop_at_step=1)
+    train.train(config(), str(tmp_path / "run"))
+    rows = read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))
+    evaluated = [r["step"] for r in rows if "eval/zeroshot/object/top1_csd" in r]
+    assert evaluated == [0, 2]  # the starting parameters, then the end of the run (total_steps)
+    assert "loss" not in rows[0] and rows[1]["step"] == 1 and "loss" in rows[1]
