@@ -2,9 +2,8 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
-# Eight fake CPU devices so sharding tests run anywhere (no effect on a GPU/TPU host); LLVM at
-# -O0: the tests' tiny programs compile ~25% faster and run about as fast (tests/conftest.py).
-TEST_ENV := XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0" JAX_PLATFORMS=cpu
+# Eight fake CPU devices so sharding tests run anywhere (no effect on a GPU/TPU host).
+TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
 
 .PHONY: install test test-torch demo clean
 

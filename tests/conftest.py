@@ -8,10 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-# Eight fake CPU devices for sharding tests, whoever runs pytest (make sets it too). LLVM at -O0:
-# the tests' tiny programs compile ~25% faster (tests/test_step.py's mesh tests: 129 -> 97 s
-# cold on 2 cores) and run about as fast; XLA's own passes, hence the numerics, are unchanged.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+# Eight fake CPU devices for sharding tests, whoever runs pytest (make sets it too).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Identical programs (a resumed run, a re-created train step) are compiled once per session:
 # compilation dominates the run time of these tiny models on CPU.
