@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     result = {"backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
               "n_devices": jax.device_count(), "variant": config.model.variant, "dtype": config.model.dtype}
     if args.only in (None, "csd"):
-        result["csd"] = c = csd_retrieval(args.queries, args.gallery, model_config(parse_config(config)).embed_dim, args.block)
+        embed_dim = model_config(parse_config(config)).embed_dim
+        result["csd"] = c = csd_retrieval(args.queries, args.gallery, embed_dim, args.block)
         peak = ("n/a" if c["device_memory"] is None
                 else f"{c['device_memory']['peak_bytes_in_use'] / 2 ** 30:.3g} GiB")
         print(f"blocked CSD ranks, {args.queries} x {args.gallery} (dim {c['dim']}, block {args.block}): "

@@ -104,15 +104,14 @@ class PretrainedProLIP:
         / 255, then (x - mean) / std of `self.normalization` (the training's data.normalization;
         "openai": mean (0.48145466, 0.4578275, 0.40821073), std (0.26862954, 0.26130258,
         0.27577711); "0.5": 0.5 / 0.5). The same transform the evaluators and the input
-        pipeline's eval path apply (input_pipeline.transforms.eval_transform + normalize)."""
+        pipeline's eval path apply (input_pipeline.transforms.eval_transform, then
+        prolip_jax.normalization.normalize)."""
         if isinstance(images, Image.Image):
             images = [images]
         s = self.config.vision.image_size
         pixels = np.stack([transforms.eval_transform(_rgb(img), s) for img in images]) if len(images) else (
             np.zeros((0, s, s, 3), np.uint8))
-        mean, std = normalization_lib.mean_std(self.normalization)
-        return ((pixels.astype(np.float32) / 255.0 - np.asarray(mean, np.float32))
-                / np.asarray(std, np.float32)).astype(np.float32)
+        return normalization_lib.normalize(pixels, self.normalization)
 
     def tokenize(self, texts: Any) -> np.ndarray:
         """texts (a string or N strings) -> int32 [N, L] with the model's recorded tokenizer

@@ -38,14 +38,15 @@ def name_of(mean: Sequence[float], std: Sequence[float]) -> str | tuple[tuple[fl
                  if np.allclose(m, pair[0], atol=1e-6) and np.allclose(s, pair[1], atol=1e-6)), pair)
 
 
-def _arrays(normalization: str) -> tuple[np.ndarray, np.ndarray]:
+def _arrays(normalization: Any) -> tuple[np.ndarray, np.ndarray]:
     mean, std = mean_std(normalization)
     return np.asarray(mean, np.float32), np.asarray(std, np.float32)
 
 
-def normalize(images: np.ndarray, normalization: str = "openai",
+def normalize(images: np.ndarray, normalization: Any = "openai",
               out: np.ndarray | None = None) -> np.ndarray:
-    """uint8 [..., 3] in 0..255 -> float32 (x/255 - mean) / std, on the host (into `out`)."""
+    """uint8 [..., 3] in 0..255 -> float32 (x/255 - mean) / std, on the host (into `out`).
+    normalization: a NORMALIZATIONS name or a (mean, std) pair."""
     mean, std = _arrays(normalization)
     scale, offset = 1.0 / (255.0 * std), -mean / std
     if out is None:

@@ -7,8 +7,8 @@ wd 0.2) excluding parameters with ndim < 2 or whose name contains "bn", "ln", "b
 "logit_scale"; lr = base * (step + 1) / warmup during warm-up, then a cosine to 0; no gradient
 clipping by default; `logit_scale` clamped to [0, ln 100] after every step.
 
-Fine-tuning controls (fields of `OptimConfig`, `config.optim`, checked by its `validate`). Patterns are Python regular expressions searched (`re.search`) in the '/'-joined
-parameter path, e.g.
+Fine-tuning controls (fields of `OptimConfig`, `config.optim`, checked by its `validate`).
+Patterns are Python regular expressions searched (`re.search`) in the '/'-joined parameter path, e.g.
 `visual/transformer/resblocks_3/attn/query_kernel`, `text/token_embedding`, `logit_scale`.
 - locked: patterns of parameters that are not trained: they get no optimiser state (no Adam moments)
   and their update is exactly zero. `^visual/` locks the image tower (LiT).

@@ -126,7 +126,6 @@ class TrainConfig:
     # `config.data` as a dict, its keys and source checked: the pipeline builds its DataConfig from
     # it with what only the model knows (prolip_jax/data.py), and "random" needs no pipeline.
     data: dict[str, Any]
-    config: Any  # the ConfigDict itself: what a checkpoint records as the run's config
 
     @property
     def normalization(self) -> str:
@@ -153,7 +152,7 @@ def parse_config(config) -> TrainConfig:
         if data.get("source") not in ("random", *DATA_SOURCES):
             raise ValueError(f"config.data.source={data.get('source')!r} is not one of "
                              f"{('random', *DATA_SOURCES)}")
-    return TrainConfig(run=run, **sections, objective=name, loss=loss, data=data, config=config)
+    return TrainConfig(run=run, **sections, objective=name, loss=loss, data=data)
 
 
 def model_config(tc: TrainConfig) -> ProLIPConfig:
@@ -188,27 +187,26 @@ def step_config(tc: TrainConfig) -> step_lib.StepConfig:
 
 def validate(tc: TrainConfig, mesh, mcfg: ProLIPConfig) -> None:
     """Clear errors for a config that cannot run (batch layout, sizes, combinations of sections)."""
-    p = tc
-    module = objectives.get(p.objective)
+    module = objectives.get(tc.objective)
     scfg = step_config(tc)
-    step_lib.check_batch_layout(p.run.batch_size, sharding.num_batch_shards(mesh), scfg)
-    if p.run.batch_size % jax.process_count():
-        raise ValueError(f"batch_size {p.run.batch_size} is not divisible by {jax.process_count()} hosts")
+    step_lib.check_batch_layout(tc.run.batch_size, sharding.num_batch_shards(mesh), scfg)
+    if tc.run.batch_size % jax.process_count():
+        raise ValueError(f"batch_size {tc.run.batch_size} is not divisible by {jax.process_count()} hosts")
     if tc.data.get("image_size") != mcfg.vision.image_size:
         raise ValueError(f"data.image_size={tc.data.get('image_size')} but the model expects "
                          f"{mcfg.vision.image_size} px images")
     if module.NEEDS_LOGVAR and not (mcfg.vision.embed_unc and mcfg.text.embed_unc):
-        raise ValueError(f"config.loss.objective={p.objective!r} needs log sigma^2 from both towers, but the "
+        raise ValueError(f"config.loss.objective={tc.objective!r} needs log sigma^2 from both towers, but the "
                          f"model has no uncertainty head (embed_unc=False); use a probabilistic model or a "
                          f"deterministic objective (clip, siglip, vse)")
-    if p.targets.soft and not module.SOFT_TARGETS:
-        raise ValueError(f"config.targets.mix_fraction={p.targets.mix_fraction} (MSDA) gives soft match targets, "
-                         f"which objective {p.objective!r} cannot take; set it to 0 or use an objective with "
+    if tc.targets.soft and not module.SOFT_TARGETS:
+        raise ValueError(f"config.targets.mix_fraction={tc.targets.mix_fraction} (MSDA) gives soft match targets, "
+                         f"which objective {tc.objective!r} cannot take; set it to 0 or use an objective with "
                          f"soft targets (prolip, pcmepp, siglip)")
     if hasattr(module, "check_targets"):
-        module.check_targets(p.loss, p.targets.identity)
-    if scfg.masked_group_rows and not 0 <= p.masking.mask_token_id < mcfg.text.vocab_size:
-        raise ValueError(f"masking.mask_token_id={p.masking.mask_token_id} is outside the model's "
+        module.check_targets(tc.loss, tc.targets.identity)
+    if scfg.masked_group_rows and not 0 <= tc.masking.mask_token_id < mcfg.text.vocab_size:
+        raise ValueError(f"masking.mask_token_id={tc.masking.mask_token_id} is outside the model's "
                          f"vocabulary of {mcfg.text.vocab_size}")
 
 

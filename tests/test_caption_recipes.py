@@ -30,7 +30,7 @@ TEMPLATES = ("a {c} {s}", "a {z} {c} {s}", "a {c} {s} {p}", "the {s} is {c}", "a
 def test_recipe_parses_at_paper_size(method, arg):
     c = train.with_defaults(config_args.load_config_file(f"configs/{method}_coco.py" + (f":{arg}" if arg else "")))
     parsed = train.parse_config(c)
-    mcfg = train.model_config(train.parse_config(c))
+    mcfg = train.model_config(parsed)
     assert c.batch_size in (128, 150) and c.total_steps > 10_000
     assert mcfg.vision.patch_size == 32 and mcfg.text.context_length == 77  # CLIP ViT-B/32's towers
     assert (mcfg.vision.embed_unc and mcfg.text.embed_unc) == (method not in ("vse", "infonce"))

@@ -25,12 +25,13 @@ def methods_config(arg: str):
                                     "siglip", "vse"])
 def test_every_method_config_parses_and_selects_its_objective(method):
     module, config = methods_config(f"method={method},smoke=1")
-    scfg = train.step_config(train.parse_config(config))
+    tc = train.parse_config(config)
+    scfg = train.step_config(tc)
     assert scfg.objective == module.METHODS[method][0]
     assert type(scfg.loss) is objectives.get(scfg.objective).Config
     # ProLIP's masked forward runs only for the objective that uses it.
     assert bool(scfg.masked_group_rows) == (scfg.objective == "prolip")
-    mcfg = train.model_config(train.parse_config(config))
+    mcfg = train.model_config(tc)
     overrides = module.METHODS[method][2]
     for key in ("init_logit_scale", "init_logit_bias"):
         if key in overrides:
@@ -58,6 +59,11 @@ def test_unknown_objective_and_knob_are_one_line_errors():
         train.parse_config(config)
 
 
+def validate(config, mesh):
+    tc = train.parse_config(config)
+    train.validate(tc, mesh, train.model_config(tc))
+
+
 def test_bad_combinations_stop_before_compiling():
     from prolip_jax import sharding
 
@@ -65,16 +71,16 @@ def test_bad_combinations_stop_before_compiling():
     _, config = methods_config("method=vse")
     config.targets.mix_fraction = 0.25  # MSDA's soft labels cannot enter a triplet loss
     with pytest.raises(ValueError, match="MSDA.*'vse' cannot take"):
-        train.validate(train.parse_config(config), mesh, train.model_config(train.parse_config(config)))
+        validate(config, mesh)
     _, config = methods_config("method=pcme")
     config.model.vision = {"embed_unc": False}  # a mu-only image tower: no sigma^2 to sample
     config.model.text = {"embed_unc": False, "pool": "last"}
     with pytest.raises(ValueError, match="needs log sigma"):
-        train.validate(train.parse_config(config), mesh, train.model_config(train.parse_config(config)))
+        validate(config, mesh)
     _, config = methods_config("method=prolip,positives=same_caption")
     config.loss.ppcl_impl = "ring"
     with pytest.raises(ValueError, match="ring"):
-        train.validate(train.parse_config(config), mesh, train.model_config(train.parse_config(config)))
+        validate(config, mesh)
 
 
 def test_positive_matrix_marks_identical_captions_and_image_ids():

@@ -140,7 +140,8 @@ def prolip_loss(out: dict[str, jax.Array], masked: dict[str, jax.Array] | None =
 
 
 def check_targets(cfg: Config, identity: bool) -> None:
-    """Before compiling: the ring scores the diagonal only, so it takes identity targets alone."""
+    """The ring scores the diagonal only, so it takes identity targets alone (the trainer asks
+    before compiling; `loss` asks again for direct callers)."""
     if cfg.ppcl_impl == "ring" and not identity:
         raise ValueError("config.loss.ppcl_impl='ring' scores one positive per row; multi-positive or MSDA "
                          "targets need ppcl_impl='dense'")
@@ -151,8 +152,6 @@ def loss(out, cfg: Config, *, targets=None, masked=None, masked_rows=None, rng=N
     out by `cfg.ppcl_impl`."""
     ppcl_fn = None
     if cfg.ppcl_impl == "ring":
-        if targets is not None:
-            raise ValueError("config.loss.ppcl_impl='ring' scores one positive per row; use 'dense' with "
-                             "multi-positive or soft targets")
+        check_targets(cfg, identity=targets is None)
         ppcl_fn = lambda *a: ppcl_loss_ring(*a, mesh=mesh, batch_axes=sharding.batch_axes(mesh))  # noqa: E731
     return prolip_loss(out, masked, masked_rows, cfg, ppcl_fn=ppcl_fn, targets=targets)
