@@ -34,9 +34,9 @@ Override the source with `--config.init.path=...` (e.g. a local copy), lock the 
 `--config.optim.locked="('^visual/',)"`, and set per-group learning rates, layer-wise decay or an
 unlock step as prolip_jax/optim.py describes.
 
-GPU cluster (SLURM), from the repository root:
-    CONFIG=configs/finetune.py:recipe=siglip_l16 sbatch --nodes=4 scripts/launch_slurm.sh
-TPU pod: CONFIG=configs/finetune.py:recipe=siglip_l16 scripts/launch_tpu_pod.sh
+GPU cluster (SLURM) or TPU pod, from the repository root (settings: --help, docs/launch.md):
+    CONFIG=configs/finetune.py:recipe=siglip_l16 bash scripts/launch_slurm.sh submit
+    CONFIG=configs/finetune.py:recipe=siglip_l16 bash scripts/launch_tpu_pod.sh launch
 One host:
     python -m prolip_jax.train --config configs/finetune.py:recipe=own_data --workdir WORKDIR \
         --config.data.path='/data/mine/{0000..0099}.tar' --config.data.tokenizer.path=spiece.model

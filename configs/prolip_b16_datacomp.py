@@ -19,11 +19,11 @@ from the `timm/ViT-B-16-SigLIP` Hugging Face repo), both given on the command li
 exactly resumable global shuffle).
 
 TPU pod (v4-256, 128 chips: 128 samples/chip), from your workstation:
-    scripts/launch_tpu_pod.sh   # TPU_NAME, ZONE, WORKDIR, DATA, TOKENIZER at its top; runs on every worker:
+    bash scripts/launch_tpu_pod.sh launch   # settings: --help, docs/launch.md; runs on every worker:
     python -m prolip_jax.train --config configs/prolip_b16_datacomp.py --workdir gs://bucket/prolip_b16 \
         --config.data.path=... --config.data.tokenizer.path=...
 GPU cluster (SLURM, 4 nodes x 8 H100, 512 samples/GPU as the reference's 32 GPUs):
-    sbatch scripts/launch_slurm.sh   # srun python -m prolip_jax.train --config configs/prolip_b16_datacomp.py ...
+    bash scripts/launch_slurm.sh submit   # srun python -m prolip_jax.train --config configs/prolip_b16_datacomp.py ...
 Expected time (reference: 32 H100s): about 1.5 days for 1.28B samples seen at B/16.
 """
 import ml_collections as mlc

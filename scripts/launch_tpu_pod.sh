@@ -1,52 +1,249 @@
 #!/usr/bin/env bash
-# Launch ProLIP pretraining on a Cloud TPU pod slice (TPU VMs), one trainer process per host.
-#
-# Usage:   TPU_NAME=my-v4-256 ZONE=us-central2-b WORKDIR=gs://my-bucket/prolip/run1 \
-#            DATA_PATH='gs://my-bucket/datacomp/train-*.array_record' \
-#            bash scripts/launch_tpu_pod.sh [--config.field=value ...]
-#
-# `--worker=all` runs the same command on every host of the slice; inside it,
-# jax.distributed.initialize() (forced by PROLIP_DISTRIBUTED=1) finds the coordinator and
-# process ids from the TPU metadata, so no flags are needed. Every host must see the same code and config, hence the pull.
-# The workdir should be a GCS bucket all hosts can reach: checkpoints (orbax, multi-host) and
-# metrics (written by process 0) go there, and a relaunch with the same WORKDIR resumes.
-# Extra arguments are passed to the trainer, e.g. --config.total_steps=1000.
+# Train ProLIP on a Cloud TPU VM slice (one trainer process per host) from your workstation.
+# Settings, subcommands and examples: `bash scripts/launch_tpu_pod.sh --help` and docs/launch.md.
 set -euo pipefail
 
-# ---- placeholders: set these (or export them before calling) -----------------------------
-TPU_NAME="${TPU_NAME:-my-tpu-v4-256}"
-ZONE="${ZONE:-us-central2-b}"
-PROJECT="${PROJECT:-my-gcp-project}"
-REPO_URL="${REPO_URL:-https://github.com/my-org/prolip_jax.git}"
-BRANCH="${BRANCH:-main}"
-CONFIG="${CONFIG:-configs/prolip_b16_datacomp.py}"   # append :arg for a variant, e.g. :variant=L/16
-WORKDIR="${WORKDIR:-gs://my-bucket/prolip/run1}"
-DATA_PATH="${DATA_PATH:-gs://my-bucket/datacomp1b/train-*.array_record}"
-DATA_SOURCE="${DATA_SOURCE:-array_record}"          # or tar (webdataset shards)
-TOKENIZER="${TOKENIZER:-/home/$USER/spiece.model}"  # SigLIP c4-en SentencePiece model, copied to every worker
-# jax[tpu] pulls the matching libtpu from PyPI; keep the range of setup.cfg. gcsfs and
-# google-cloud-storage (installed below) let metrics.jsonl and TensorBoard write to gs://.
-JAX_SPEC="${JAX_SPEC:-jax[tpu]>=0.10.2,<0.12}"
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ME="launch_tpu_pod.sh"
+# Every setting: NAME (environment variable) or --name=value (flag, lowercase with dashes).
+SETTINGS=(TPU_NAME ZONE PROJECT ACCELERATOR_TYPE WORKDIR DATA_PATH TOKENIZER CONFIG DATA_SOURCE
+          RUNTIME_VERSION SPOT REPO_URL BRANCH PYTHON_VERSION EXTRA_PACKAGES WORKER)
 
-# Quote the trainer's arguments once here so they survive the remote shell unchanged.
-TRAIN_ARGS=$(printf '%q ' --config="$CONFIG" --workdir="$WORKDIR" --config.data.source="$DATA_SOURCE" \
-  --config.data.path="$DATA_PATH" --config.data.tokenizer.path="$TOKENIZER" "$@")
+usage() {
+  cat <<'EOF'
+Usage: bash scripts/launch_tpu_pod.sh [SUBCOMMAND] [--setting=value ...] [--dry-run] [-- TRAINER ARGS]
 
-# Runs on every worker: clone once, update, install, train. stdout/stderr of all workers
-# stream back here; process 0 prints the progress lines, the others stay mostly quiet.
-REMOTE_CMD="set -e
-[ -d prolip_jax ] || git clone --branch $(printf '%q' "$BRANCH") $(printf '%q' "$REPO_URL") prolip_jax
-cd prolip_jax
-git fetch origin && git checkout $(printf '%q' "$BRANCH") && git pull --ff-only
-python3 -m pip install -q -U $(printf '%q' "$JAX_SPEC")
-python3 -m pip install -q -e . gcsfs google-cloud-storage
-PROLIP_DISTRIBUTED=1 python3 -m prolip_jax.train $TRAIN_ARGS"
+Subcommands (default: launch)
+  launch   create the TPU VM if absent (reuse it if READY), ship the code and a local tokenizer to
+           every worker, build a Python 3.11 venv there with uv (`-c requirements/constraints.txt
+           -e '.[tpu]'`), and start the trainer detached on every worker (log per worker:
+           ~/prolip/logs/train.log on that worker). Refuses while a run is still alive.
+  resume   the same as launch: the trainer resumes from WORKDIR's newest checkpoint.
+  logs     follow a worker's log (WORKER=0 by default; WORKER=all for every worker).
+  status   per worker: running or not, and the log's last line.
+  stop     SIGTERM the trainer on every worker: it saves a checkpoint and exits.
+  delete   delete the TPU VM (the run stays in WORKDIR; `launch` later resumes it).
 
-gcloud compute tpus tpu-vm ssh "$TPU_NAME" \
-  --project "$PROJECT" --zone "$ZONE" --worker=all \
-  --command "$REMOTE_CMD"
+Settings: environment variables, or flags (TPU_NAME=x or --tpu-name=x)
+  required by every subcommand
+    TPU_NAME          the TPU VM's name (created by `launch` if absent)
+    ZONE              e.g. us-central2-b (v4), us-east5-a (v5p), us-west4-a (v5e)
+    PROJECT           the Google Cloud project id
+  required by launch / resume
+    ACCELERATOR_TYPE  e.g. v4-32, v5p-64, v5litepod-16 (used when the VM is created)
+    WORKDIR           gs://bucket/run: checkpoints and metrics; every worker must reach it, and
+                      a relaunch with the same WORKDIR resumes
+    DATA_PATH         training shards, e.g. 'gs://bucket/datacomp/*.array_record' (passed as
+                      is: a bucket, or a path that exists on every worker)
+    TOKENIZER         a gs:// path (passed as is) or a local file, copied to every worker
+  optional
+    CONFIG            trainer config [configs/prolip_b16_datacomp.py]; ':arg' allowed
+    DATA_SOURCE       array_record or tar [array_record]
+    RUNTIME_VERSION   TPU software version [from ACCELERATOR_TYPE: tpu-ubuntu2204-base for v2-v4,
+                      v2-alpha-tpuv5 for v5p, v2-alpha-tpuv5-lite for v5e, v2-alpha-tpuv6e for v6e]
+    SPOT              1 creates a Spot VM [0]
+    REPO_URL          git URL the workers clone; unset: this checkout's HEAD commit is shipped
+    BRANCH            branch of REPO_URL [main]
+    PYTHON_VERSION    the workers' Python, installed by uv [3.11]
+    EXTRA_PACKAGES    also installed on the workers [gcsfs google-cloud-storage]
+    WORKER            which worker `logs` follows [0]
 
-# If the ssh session may drop (laptop sleep), wrap the last line of REMOTE_CMD in
-# `nohup ... > ~/prolip_train.log 2>&1 &` and follow it with `--command 'tail -f ~/prolip_train.log'`
-# on --worker=0. Preempted slices (spot/queued resources): relaunch this script; the trainer
-# resumes from the last checkpoint in WORKDIR.
+Options
+  --dry-run      print every command, run none
+  -h, --help     this text
+  -- ARGS        passed to the trainer, e.g. -- --config.total_steps=1000
+                 (--config.x=y arguments are passed on without the --)
+
+Example
+  TPU_NAME=prolip-v5p ZONE=us-east5-a PROJECT=my-project ACCELERATOR_TYPE=v5p-64 \
+  WORKDIR=gs://my-bucket/prolip/b16 DATA_PATH='gs://my-bucket/datacomp/*.array_record' \
+  TOKENIZER=~/spiece.model bash scripts/launch_tpu_pod.sh launch
+EOF
+}
+
+die() { echo "$ME: $*" >&2; exit 2; }
+
+# Shell-quote for printing: plain words as they are, the rest in single quotes.
+quote() {
+  local out="" a
+  for a in "$@"; do
+    if [[ $a =~ ^[A-Za-z0-9_./:=@,+%~-]+$ ]]; then out+="$a "; else out+="'${a//"'"/"'\\''"}' "; fi
+  done
+  printf '%s' "${out% }"
+}
+
+DRY_RUN=0
+run() {
+  echo "+ $(quote "$@")"
+  if [[ $DRY_RUN == 0 ]]; then "$@"; fi
+}
+
+# ---- arguments ---------------------------------------------------------------------------------
+SUBCOMMAND=launch
+TRAIN_EXTRA=()
+SEEN_SUB=0
+while (($#)); do
+  arg=$1; shift
+  case $arg in
+    -h|--help) usage; exit 0 ;;
+    --dry-run) DRY_RUN=1 ;;
+    --) TRAIN_EXTRA+=("$@"); break ;;
+    --config.*) TRAIN_EXTRA+=("$arg") ;;
+    --*=*)
+      name=${arg%%=*}; name=${name#--}; name=${name//-/_}; name=${name^^}
+      [[ " ${SETTINGS[*]} " == *" $name "* ]] || die "unknown option ${arg%%=*} (see --help)"
+      printf -v "$name" '%s' "${arg#*=}" ;;
+    launch|resume|logs|status|stop|delete)
+      ((SEEN_SUB == 0)) || die "one subcommand at a time (got '$SUBCOMMAND' and '$arg')"
+      SUBCOMMAND=$arg; SEEN_SUB=1 ;;
+    *) die "unknown argument '$arg' (see --help)" ;;
+  esac
+done
+[[ $SUBCOMMAND == resume ]] && SUBCOMMAND=launch
+
+# Settings left unset read as empty (set -u), then defaults that are real values, never placeholders.
+for name in "${SETTINGS[@]}"; do printf -v "$name" '%s' "${!name:-}"; done
+CONFIG=${CONFIG:-configs/prolip_b16_datacomp.py}
+DATA_SOURCE=${DATA_SOURCE:-array_record}
+SPOT=${SPOT:-0}
+BRANCH=${BRANCH:-main}
+PYTHON_VERSION=${PYTHON_VERSION:-3.11}
+EXTRA_PACKAGES=${EXTRA_PACKAGES:-gcsfs google-cloud-storage}
+WORKER=${WORKER:-0}
+if [[ -z $RUNTIME_VERSION ]]; then
+  case $ACCELERATOR_TYPE in
+    v2-*|v3-*|v4-*) RUNTIME_VERSION=tpu-ubuntu2204-base ;;
+    v5p-*) RUNTIME_VERSION=v2-alpha-tpuv5 ;;
+    v5litepod-*|v5e-*) RUNTIME_VERSION=v2-alpha-tpuv5-lite ;;
+    v6e-*) RUNTIME_VERSION=v2-alpha-tpuv6e ;;
+  esac
+fi
+
+required=(TPU_NAME ZONE PROJECT)
+[[ $SUBCOMMAND == launch ]] && required+=(ACCELERATOR_TYPE WORKDIR DATA_PATH TOKENIZER)
+missing=()
+for name in "${required[@]}"; do [[ -n ${!name} ]] || missing+=("$name"); done
+if [[ $SUBCOMMAND == launch && -n $ACCELERATOR_TYPE && -z $RUNTIME_VERSION ]]; then
+  missing+=("RUNTIME_VERSION (no default for ACCELERATOR_TYPE=$ACCELERATOR_TYPE)")
+fi
+if ((${#missing[@]})); then
+  list=$(printf '%s, ' "${missing[@]}")
+  die "missing settings: ${list%, } (set them as environment variables or --name=value flags; see --help)"
+fi
+
+TPU=(gcloud compute tpus tpu-vm)
+WHERE=(--zone="$ZONE" --project="$PROJECT")
+# shellcheck disable=SC2088,SC2016  # these expand on the worker, not here
+RUN_DIR='~/prolip'      # on each worker: code/, venv/, assets/, logs/train.log, train.pid
+# A remote command runs in the worker's login shell (bash on the TPU VM images).
+# shellcheck disable=SC2016
+ALIVE='[ -f ~/prolip/train.pid ] && kill -0 "$(cat ~/prolip/train.pid)" 2>/dev/null'
+
+case $SUBCOMMAND in
+  logs)
+    run "${TPU[@]}" ssh "$TPU_NAME" "${WHERE[@]}" --worker="$WORKER" \
+      --command="tail -n 100 -F $RUN_DIR/logs/train.log"
+    exit 0 ;;
+  status)
+    run "${TPU[@]}" ssh "$TPU_NAME" "${WHERE[@]}" --worker=all \
+      --command="if $ALIVE; then s=running; else s='not running'; fi; echo \"\$(hostname): \$s | \$(tail -n 1 $RUN_DIR/logs/train.log 2>/dev/null)\""
+    exit 0 ;;
+  stop)
+    # The trainer saves a checkpoint on SIGTERM, then exits; `launch` later resumes from it.
+    run "${TPU[@]}" ssh "$TPU_NAME" "${WHERE[@]}" --worker=all \
+      --command="if $ALIVE; then kill -TERM \"\$(cat $RUN_DIR/train.pid)\" && echo \"\$(hostname): stopping (checkpoint, then exit)\"; else echo \"\$(hostname): not running\"; fi"
+    exit 0 ;;
+  delete)
+    run "${TPU[@]}" delete "$TPU_NAME" "${WHERE[@]}" --quiet
+    exit 0 ;;
+esac
+
+# ---- launch: checks before touching the cloud -------------------------------------------------
+is_url() { [[ $1 =~ ^[a-z][a-z0-9+.-]*:// ]]; }
+TOKENIZER=${TOKENIZER/#\~/${HOME:-~}}
+if ! is_url "$TOKENIZER"; then
+  [[ -f $TOKENIZER ]] || die "TOKENIZER=$TOKENIZER is neither a gs:// path nor a local file"
+fi
+[[ -f $ROOT/${CONFIG%%:*} ]] || die "CONFIG=$CONFIG: no such file in $ROOT"
+[[ $SPOT == 0 || $SPOT == 1 ]] || die "SPOT=$SPOT: use 0 or 1"
+if ! is_url "$WORKDIR"; then
+  echo "$ME: note: WORKDIR=$WORKDIR is not a bucket; every worker must see it as one shared folder" >&2
+fi
+
+# ---- 1. the TPU VM: reuse a READY one, create one if absent --------------------------------------
+if [[ $DRY_RUN == 1 ]]; then
+  run "${TPU[@]}" describe "$TPU_NAME" "${WHERE[@]}" --format='value(state)'
+  echo "# if the TPU VM does not exist yet:"
+  state=""
+else
+  echo "+ $(quote "${TPU[@]}" describe "$TPU_NAME" "${WHERE[@]}" --format='value(state)')"
+  state=$("${TPU[@]}" describe "$TPU_NAME" "${WHERE[@]}" --format='value(state)' 2>/dev/null) || state=""
+fi
+if [[ -z $state ]]; then
+  create=("${TPU[@]}" create "$TPU_NAME" "${WHERE[@]}" --accelerator-type="$ACCELERATOR_TYPE"
+          --version="$RUNTIME_VERSION")
+  [[ $SPOT == 1 ]] && create+=(--spot)
+  run "${create[@]}"
+elif [[ $state == READY ]]; then
+  echo "$ME: reusing TPU VM $TPU_NAME (READY)"
+else
+  die "TPU VM $TPU_NAME is $state: wait until READY, or delete it (subcommand delete) and launch again"
+fi
+
+# ---- 2. code and tokenizer to every worker -------------------------------------------------------
+TMP_DIR=$(mktemp -d); trap 'rm -rf "$TMP_DIR"' EXIT
+setup=("set -e" "if $ALIVE; then echo \"\$(hostname): a run is still alive (stop it first)\" >&2; exit 3; fi"
+       "mkdir -p $RUN_DIR/logs $RUN_DIR/assets")
+if [[ -z $REPO_URL ]]; then
+  commit=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null) || die "$ROOT is not a git checkout: set REPO_URL for the workers to clone"
+  if [[ -n $(git -C "$ROOT" status --porcelain --untracked-files=no) ]]; then
+    echo "$ME: note: shipping commit $commit; uncommitted changes stay here" >&2
+  fi
+  run git -C "$ROOT" archive --format=tar.gz -o "$TMP_DIR/prolip-code.tar.gz" HEAD
+  run "${TPU[@]}" scp "$TMP_DIR/prolip-code.tar.gz" "$TPU_NAME:prolip-code.tar.gz" "${WHERE[@]}" --worker=all
+  setup+=("rm -rf $RUN_DIR/code && mkdir $RUN_DIR/code && tar -xzf ~/prolip-code.tar.gz -C $RUN_DIR/code")
+else
+  q_url=$(printf '%q' "$REPO_URL"); q_branch=$(printf '%q' "$BRANCH")
+  setup+=("if [ -d $RUN_DIR/code/.git ]; then git -C $RUN_DIR/code fetch -q origin $q_branch && git -C $RUN_DIR/code checkout -q -B $q_branch FETCH_HEAD; else rm -rf $RUN_DIR/code && git clone -q --branch $q_branch $q_url $RUN_DIR/code; fi")
+fi
+tokenizer_arg=$TOKENIZER
+if ! is_url "$TOKENIZER"; then
+  base=$(basename "$TOKENIZER")
+  run "${TPU[@]}" scp "$TOKENIZER" "$TPU_NAME:prolip-tokenizer-$base" "${WHERE[@]}" --worker=all
+  setup+=("mv -f ~/prolip-tokenizer-$(printf '%q' "$base") $RUN_DIR/assets/$(printf '%q' "$base")")
+  tokenizer_arg="\$HOME/prolip/assets/$base"     # expanded on the worker
+fi
+
+# ---- 3. Python >= 3.11 on every worker (uv: no root, no apt; the images ship 3.10) -------------
+q_extra=$(for p in $EXTRA_PACKAGES; do printf '%q ' "$p"; done)
+# shellcheck disable=SC2016
+setup+=('export PATH="$HOME/.local/bin:$PATH"'
+        "command -v uv >/dev/null || curl -LsSf https://astral.sh/uv/install.sh | sh"
+        "[ -x $RUN_DIR/venv/bin/python ] || uv venv -q --python $(printf '%q' "$PYTHON_VERSION") $RUN_DIR/venv"
+        "cd $RUN_DIR/code && uv pip install -q --python $RUN_DIR/venv/bin/python -c requirements/constraints.txt -e '.[tpu]' ${q_extra% }"
+        "echo \"\$(hostname): ready\"")
+setup_cmd=$(printf '%s; ' "${setup[@]}")
+run "${TPU[@]}" ssh "$TPU_NAME" "${WHERE[@]}" --worker=all --command="${setup_cmd%; }"
+
+# ---- 4. train, detached, on every worker ---------------------------------------------------------
+# PROLIP_DISTRIBUTED=1: the trainer calls jax.distributed.initialize(), which reads the slice's
+# hosts from the TPU metadata. setsid + nohup: the run outlives the ssh session.
+train_args=(--config="$CONFIG" --workdir="$WORKDIR" --config.data.source="$DATA_SOURCE"
+            --config.data.path="$DATA_PATH" ${TRAIN_EXTRA[@]+"${TRAIN_EXTRA[@]}"})
+q_args=$(printf '%q ' "${train_args[@]}")
+if is_url "$TOKENIZER"; then
+  q_args+=$(printf '%q' "--config.data.tokenizer.path=$tokenizer_arg")
+else
+  q_args+="--config.data.tokenizer.path=\"$tokenizer_arg\""
+fi
+start="cd $RUN_DIR/code; echo \"=== \$(date -u +%FT%TZ) start\" >> $RUN_DIR/logs/train.log; PROLIP_DISTRIBUTED=1 setsid nohup $RUN_DIR/venv/bin/python -m prolip_jax.train $q_args >> $RUN_DIR/logs/train.log 2>&1 < /dev/null & echo \$! > $RUN_DIR/train.pid; echo \"\$(hostname): training (pid \$(cat $RUN_DIR/train.pid)), log $RUN_DIR/logs/train.log\""
+run "${TPU[@]}" ssh "$TPU_NAME" "${WHERE[@]}" --worker=all --command="$start"
+
+if [[ $DRY_RUN == 1 ]]; then echo "(dry run: nothing was run)"; exit 0; fi
+settings="TPU_NAME=$(quote "$TPU_NAME") ZONE=$(quote "$ZONE") PROJECT=$(quote "$PROJECT")"
+cat <<EOF
+Started on every worker of $TPU_NAME; checkpoints and metrics in $WORKDIR.
+  watch:  $settings bash scripts/launch_tpu_pod.sh logs      (status: every worker)
+  stop:   $settings bash scripts/launch_tpu_pod.sh stop      (saves a checkpoint)
+  resume: the same launch command again (same WORKDIR)
+EOF
