@@ -189,6 +189,13 @@ def write_hf_files(hf_dir: str | os.PathLike, tf: TokenizerFile) -> dict[str, An
     return text_cfg
 
 
+def file_from_hf(hf_dir: str | os.PathLike) -> "TokenizerFile | None":
+    """The TokenizerFile an exported folder carries (`prolip_tokenizer.json` + its file, as
+    `write_hf_files` wrote them; sha256 checked), or None for a folder without that record."""
+    record = Path(hf_dir) / RECORD_NAME
+    return TokenizerFile.read(hf_dir, json.loads(record.read_text())) if record.is_file() else None
+
+
 def _tokenizer_config(tf: TokenizerFile) -> dict[str, Any]:
     tok = tf.build_in_memory()
     piece = lambda i: None if i is None else tok.id_to_piece(i)  # noqa: E731

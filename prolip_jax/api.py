@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -33,11 +32,10 @@ from PIL import Image
 from input_pipeline import tokenizer_files, transforms
 from input_pipeline.decode import to_rgb
 from input_pipeline.tokenizers import build_tokenizer
-from prolip_jax import checkpoint, convert, export, normalization as normalization_lib, overview
+from prolip_jax import checkpoint, convert, export, normalization as normalization_lib, overview, tool_paths
 from prolip_jax.encode import Encoder
 from prolip_jax.models.config import ProLIPConfig
 from prolip_jax.models.prolip import ProLIP
-from prolip_jax.pretrained import hub
 from prolip_jax.pretrained.loader import load_pretrained
 
 
@@ -145,9 +143,12 @@ def _tokenizer_arg(tokenizer: Any, context_length: int) -> Any:
 def load(path: str | os.PathLike, dtype: Any = jnp.float32, step: int | None = None,
          batch_size: int = 256, format: str = "auto", arch: Any = None, tokenizer: Any = None,
          normalization: Any = None) -> PretrainedProLIP:
-    """Loads a prolip_jax checkpoint directory (CKPT) or a Hugging Face folder (config.json +
-    model.safetensors, e.g. a downloaded `SanghyukChun/ProLIP-ViT-B-16-DC-1B-12_8B`), or a
-    training workdir (its `checkpoints/` folder; the latest step unless `step` is given).
+    """Loads a prolip_jax checkpoint directory (CKPT), one of its step folders, a training
+    workdir (its `checkpoints/` folder; the latest step unless `step` is given) or a Hugging Face
+    folder (config.json + model.safetensors, e.g. a downloaded
+    `SanghyukChun/ProLIP-ViT-B-16-DC-1B-12_8B`): prolip_jax.tool_paths.locate, the rule of every
+    tool. A missing path is a one-line FileNotFoundError; only a missing `org/name` is tried on
+    the hub.
 
     Anything else goes through `load_pretrained(path, format, arch)`: a Hugging Face repo id
     (downloaded, or read from the hub cache with HF_HUB_OFFLINE=1), open_clip / timm
@@ -158,16 +159,14 @@ def load(path: str | os.PathLike, dtype: Any = jnp.float32, step: int | None = N
     such as dict(kind="sentencepiece", path="spiece.model")). `normalization` (for
     `.preprocess`): default the training's data.normalization, else "openai" (the reference's;
     imported SigLIP models want "0.5")."""
-    trainer_ckpts = Path(path) / "checkpoints"
-    if not hub.is_repo_id(path) and not checkpoint.is_checkpoint(path) and checkpoint.is_checkpoint(trainer_ckpts):
-        path = trainer_ckpts
+    where = tool_paths.locate(path, step)  # the one rule of every tool (prolip_jax/tool_paths.py)
     report = None
-    if hub.is_repo_id(path) or format != "auto" or arch is not None or not (
-            convert.is_hf_dir(path) or checkpoint.is_checkpoint(path)):
+    if where.kind in ("hub", "other") or format != "auto" or arch is not None:
+        source = where.step_dir if where.kind == "checkpoint" else where.path
         try:
-            config, params, report = load_pretrained(path, format=format, arch=arch)
+            config, params, report = load_pretrained(source, format=format, arch=arch)
         except FileNotFoundError as e:
-            if hub.is_repo_id(path):
+            if where.kind != "other":
                 raise
             raise FileNotFoundError(
                 f"{path} is neither a prolip_jax checkpoint (<step>/params + <step>/config), a training "
@@ -176,15 +175,15 @@ def load(path: str | os.PathLike, dtype: Any = jnp.float32, step: int | None = N
         params = jax.device_put(params)
         step = None
         recorded, recorded_norm = None, None  # other families: pass tokenizer= / normalization=
-    elif convert.is_hf_dir(path):
-        params, config = convert.load_hf(path)
+    elif where.kind == "hf":
+        params, config = convert.load_hf(where.path)
         params = jax.device_put(params)
         step = None
-        recorded, recorded_norm = export.load_hf_preprocessing(path)
+        recorded, recorded_norm = export.load_hf_preprocessing(where.path)
     else:
-        params, config, step = checkpoint.load_params(path, step=step)
-        recorded = tokenizer_files.from_checkpoint(path, step=step)
-        recorded_norm = checkpoint.training_normalization(checkpoint.load_config(path, step)[1])
+        params, config, step = checkpoint.load_params(where.path, step=where.step)
+        recorded = tokenizer_files.from_checkpoint(where.path, step=step)
+        recorded_norm = checkpoint.training_normalization(checkpoint.load_config(where.path, step)[1])
     return PretrainedProLIP(config, params, dtype=dtype, batch_size=batch_size, step=step, report=report,
                             tokenizer=_tokenizer_arg(tokenizer, config.text.context_length) or recorded,
                             normalization=normalization or recorded_norm or "openai")

@@ -79,11 +79,13 @@ def load_config(path: str | os.PathLike, step: int | None = None) -> tuple[ProLI
     return ProLIPConfig.from_dict(meta["model"]), dict(meta), step
 
 
-def training_normalization(meta: Mapping[str, Any]) -> str | None:
+def training_normalization(meta: Mapping[str, Any]) -> Any:
     """The image normalisation the model was trained with (`data.normalization` of the recorded
-    training config), or None when the checkpoint does not say (params-only checkpoints)."""
+    training config, or the "normalization" an import recorded from an exported folder), or
+    None when the checkpoint does not say (other params-only checkpoints)."""
     data = (meta.get("train_config") or {}).get("data") or {}
-    return data.get("normalization")
+    found = data.get("normalization") or meta.get("normalization")
+    return tuple(tuple(x) for x in found) if isinstance(found, list) else found  # JSON: a (mean, std) pair
 
 
 def load_params(path: str | os.PathLike, step: int | None = None,

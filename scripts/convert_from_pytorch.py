@@ -10,14 +10,21 @@ read from the hub cache when HF_HUB_OFFLINE=1). --arch names the architecture wh
 file sits beside the weights (an open_clip name such as ViT-B-32-quickgelu, a ProLIP variant,
 or a .json model-config file). Pickled `.bin`/`.pt` files are refused with the one-line
 PyTorch command that converts them. The format detected, missing/unplaced keys and wrong
-shapes are reported by name, and nothing is written unless everything fits.
+shapes are reported by name, and nothing is written unless everything fits: CKPT is written
+beside itself and renamed into place when complete. A non-empty CKPT is refused unless
+--overwrite. SRC may also be a prolip_jax training workdir, checkpoints folder or step folder
+(the rule of every tool, prolip_jax/tool_paths.py). The tokenizer and image normalisation an
+exported folder (or a prolip_jax checkpoint) carries are recorded in CKPT, so
+`prolip_jax.load(CKPT).tokenize(...)` gives the ids of the original.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
+import uuid
 from pathlib import Path
 
 
@@ -34,32 +41,61 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     args = p.parse_args(argv)
 
-    from prolip_jax import checkpoint
+    from prolip_jax import checkpoint, tool_paths
     from prolip_jax.pretrained.loader import load_pretrained
 
     source, fmt = (args.hf_dir, "prolip") if args.hf_dir else (args.src, args.format)
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()) and not args.overwrite:
-        print(f"error: {out} exists and is not empty (use --overwrite)", file=sys.stderr)
-        return 2
     arch = args.arch
-    if arch and arch.endswith(".json"):
-        arch = json.loads(Path(arch).read_text())
-        arch = arch.get("model_cfg", arch)
     try:  # validates every key and shape before anything is written
-        config, params, report = load_pretrained(source, format=fmt, arch=arch, allow_unplaced=args.allow_unplaced)
-    except (FileNotFoundError, ValueError) as e:
+        out = tool_paths.check_out(args.out, args.overwrite)
+        if arch and arch.endswith(".json"):
+            arch = json.loads(Path(arch).read_text())
+            arch = arch.get("model_cfg", arch)
+        where = tool_paths.locate(source)
+        config, params, report = load_pretrained(where.step_dir if where.kind == "checkpoint" else where.path,
+                                                 format=fmt, arch=arch, allow_unplaced=args.allow_unplaced)
+        tokenizer, normalization = recorded_preprocessing(where)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report.summary())
-    if out.exists():
-        shutil.rmtree(out)
     local = Path(source)
-    path = checkpoint.save_params(out, params, config, step=args.step, metadata={
-        "source": str(local.absolute()) if local.exists() else source, "source_format": report.format,
-        "unplaced": report.unplaced, "filled": report.filled})
+    metadata = {"source": str(local.absolute()) if local.exists() else source, "source_format": report.format,
+                "unplaced": report.unplaced, "filled": report.filled}
+    if normalization is not None:
+        metadata["normalization"] = normalization
+    # Written beside --out, renamed into place when complete: an error leaves nothing half-written.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        checkpoint.save_params(tmp, params, config, step=args.step, metadata=metadata, tokenizer=tokenizer)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    path = out / str(args.step)
+    if tokenizer is not None:
+        print(f"tokenizer: {tokenizer.kind} (sha256 {tokenizer.sha256[:12]}) recorded with the checkpoint")
     print(f"wrote {path}")
     return 0
+
+
+def recorded_preprocessing(where) -> tuple:
+    """(TokenizerFile or None, normalisation or None) that the source carries: an exported
+    folder's prolip_tokenizer.json + preprocessor_config.json, or a prolip_jax checkpoint's record.
+    `where`: a prolip_jax.tool_paths.Located."""
+    from input_pipeline import tokenizer_files
+    from prolip_jax import checkpoint, export
+
+    if where.kind == "hf":
+        return tokenizer_files.file_from_hf(where.path), export.load_hf_preprocessing(where.path)[1]
+    if where.kind == "checkpoint":
+        meta = checkpoint.load_config(where.path, where.step)[1]
+        return (tokenizer_files.file_from_checkpoint(where.path, where.step),
+                checkpoint.training_normalization(meta))
+    return None, None
 
 
 if __name__ == "__main__":

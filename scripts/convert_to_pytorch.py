@@ -3,6 +3,9 @@
     python scripts/convert_to_pytorch.py --checkpoint CKPT --out HF_DIR [--step N] [--overwrite]
         [--tokenizer KIND:PATH]
 
+CKPT: a training workdir, its checkpoints/ folder, one step folder or an exported folder (the
+rule of every tool, prolip_jax/tool_paths.py). A non-empty HF_DIR is refused unless --overwrite.
+
 HF_DIR receives `config.json` + `model.safetensors` (keys and shapes of REFERENCE §4), which
 `prolip.model.ProLIPHF.from_pretrained(HF_DIR)` loads with no missing or unexpected key, plus
 the tokenizer recorded with the checkpoint (its file, `tokenizer.json` + `tokenizer_config.json`
@@ -22,7 +25,8 @@ import numpy as np
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="prolip_jax checkpoint directory (CKPT or CKPT/<step>)")
+    p.add_argument("--checkpoint", required=True,
+                   help="training workdir, checkpoints folder (CKPT), step folder (CKPT/<step>) or exported folder")
     p.add_argument("--out", required=True, help="output Hugging Face folder")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
@@ -33,20 +37,32 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from input_pipeline import tokenizer_files
-    from prolip_jax import checkpoint, export
+    from prolip_jax import checkpoint, convert, export, tool_paths
 
     try:
-        params, config, step = checkpoint.load_params(args.checkpoint, step=args.step)
-        meta = checkpoint.load_config(args.checkpoint, step)[1]
-        tokenizer = explicit_tokenizer(args.tokenizer, config) or tokenizer_files.file_from_checkpoint(args.checkpoint, step)
+        tool_paths.check_out(args.out, args.overwrite)  # before the (slow) load
+        where = tool_paths.locate(args.checkpoint, args.step)
+        if where.kind == "checkpoint":
+            params, config, step = checkpoint.load_params(where.path, step=where.step)
+            normalization = checkpoint.training_normalization(checkpoint.load_config(where.path, step)[1])
+            recorded = tokenizer_files.file_from_checkpoint(where.path, step)
+        elif where.kind == "hf":  # an export again (another --tokenizer, or a copy)
+            params, config = convert.load_hf(where.path)
+            step, normalization = None, export.load_hf_preprocessing(where.path)[1]
+            recorded = tokenizer_files.file_from_hf(where.path)
+        else:
+            raise ValueError(f"{args.checkpoint} is not a prolip_jax checkpoint, training workdir or exported "
+                             "folder: import other weights with scripts/convert_from_pytorch.py first")
+        tokenizer = explicit_tokenizer(args.tokenizer, config) or recorded
         params = jax.tree.map(np.asarray, params)
         out = export.save_hf(args.out, params, config, overwrite=args.overwrite, tokenizer=tokenizer,
-                              normalization=checkpoint.training_normalization(meta))
+                              normalization=normalization)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    print(f"wrote {out} (step {step}, {n:,} parameters)")
+    print(f"wrote {out} ({'step ' + str(step) if step is not None else 'from ' + str(args.checkpoint)}, "
+          f"{n:,} parameters)")
     if tokenizer is None:
         print(f"warning: {args.checkpoint} records no tokenizer; config.json names "
               f"{config.text.hf_tokenizer_name!r} (the model variant's default). Check that it is the one the "

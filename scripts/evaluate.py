@@ -7,9 +7,13 @@
     python scripts/evaluate.py --checkpoint CKPT --suite datacomp38 --data_dir DATA \
         --tokenizer sentencepiece:/data/c4_en.model --out DIR     # + DIR/suite.json, suite.md
 
-CKPT is a prolip_jax checkpoint directory or a Hugging Face folder (config.json +
-model.safetensors), loaded with `prolip_jax.load`. The config file defines `get_config(arg)`
-(arg after ':') with `evals.<name> = dict(type="zeroshot" | "retrieval" | "uncertainty", ...)`;
+CKPT is a training workdir, its checkpoints/ folder, one step folder or an exported Hugging
+Face folder (config.json + model.safetensors), loaded with `prolip_jax.load` (the rule of every
+tool, prolip_jax/tool_paths.py). A non-empty DIR is refused unless --overwrite, which replaces
+it; DIR is written beside itself and renamed into place when complete.
+
+The config file defines `get_config(arg)` (arg after ':') with
+`evals.<name> = dict(type="zeroshot" | "retrieval" | "uncertainty", ...)`;
 `--config.<field>=value` overrides any of its fields, e.g. `--config.evals.zeroshot.num_images=500`
 (an override naming no field is an error naming the nearest one, exit 2)
 (big_vision style; `log_steps` is ignored here; `prefix` is prepended to the metric names, as
@@ -43,6 +47,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -284,7 +289,8 @@ def make_plots(collected: dict[str, dict], kinds: dict[str, str], metrics: dict[
 # ------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="prolip_jax CKPT directory or Hugging Face folder")
+    p.add_argument("--checkpoint", required=True,
+                   help="training workdir, checkpoints folder (CKPT), step folder (CKPT/<step>) or exported folder")
     p.add_argument("--config", default="", help="eval config file[:arg], e.g. configs/eval/demo.py")
     p.add_argument("--suite", default="", choices=("", "datacomp38"),
                    help="run a task suite instead of --config (DataComp's 38 tasks; writes suite.json/.md)")
@@ -296,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(sentencepiece | hf | clip_bpe), e.g. sentencepiece:/data/c4_en.model")
     p.add_argument("--batch_size", type=int, default=256, help="--suite: images per batch")
     p.add_argument("--out", required=True, help="output directory (results.json, *.png)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--only", default="", help="comma-separated evaluator names to run (default: all)")
     p.add_argument("--skip_missing", action="store_true",
@@ -321,8 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     only = args.only.split(",") if args.only else None
     try:
         evaluate(args.checkpoint, config, Path(args.out), step=args.step, only=only,
-                 skip_missing=args.skip_missing, plots=not args.no_plots)
-    except (ValueError, FileNotFoundError) as e:  # data / class names / checkpoint: say what, one line
+                 skip_missing=args.skip_missing, plots=not args.no_plots, overwrite=args.overwrite)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:  # data / class names / checkpoint: say what, one line
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2
     return 0
@@ -350,8 +357,10 @@ def suite_config(args: argparse.Namespace) -> Any:
 
 def evaluate(checkpoint: str, config: Any, out: Path, step: int | None = None,
              only: list[str] | None = None, skip_missing: bool = False,
-             plots: bool = True) -> dict[str, Any]:
-    """Runs `config.evals` on a checkpoint, writes out/results.json (+ plots); returns the results."""
+             plots: bool = True, overwrite: bool | None = None) -> dict[str, Any]:
+    """Runs `config.evals` on a checkpoint, writes out/results.json (+ plots); returns the results.
+    `out` is written beside itself and replaces any earlier `out` only when complete.
+    overwrite: False refuses a non-empty `out` (before the model loads), True / None replace it."""
     evals = {k: (v.to_dict() if hasattr(v, "to_dict") else dict(v)) for k, v in config.evals.items()}
     if only:
         missing = sorted(set(only) - set(evals))
@@ -361,6 +370,9 @@ def evaluate(checkpoint: str, config: Any, out: Path, step: int | None = None,
     modules = resolve_evaluators(evals, skip_missing)  # fail before the (slow) load
     if not modules:
         raise SystemExit("error: no evaluator to run")
+    from prolip_jax import tool_paths
+
+    tool_paths.check_out(out, overwrite is not False)
 
     import jax
     import prolip_jax
@@ -368,7 +380,6 @@ def evaluate(checkpoint: str, config: Any, out: Path, step: int | None = None,
 
     model = prolip_jax.load(checkpoint, step=step)
     params = model.params  # each evaluator's Encoder places them on its devices
-    out.mkdir(parents=True, exist_ok=True)
     print(f"loaded {checkpoint}: embed_dim {model.config.embed_dim}, image "
           f"{model.config.vision.image_size}px, context {model.config.text.context_length}")
 
@@ -408,14 +419,26 @@ def evaluate(checkpoint: str, config: Any, out: Path, step: int | None = None,
 
     if jax.process_index() != 0:   # every host has the same results; one writes them
         return results
-    write_json_atomic(out / "results.json", {k: _jsonable(v) for k, v in results.items()})
-    (out / "results.md").write_text(markdown_table(results, f"{checkpoint}"))
-    for name, ev in suites.items():   # the suite's table: suite.json + suite.md
-        from evaluators.suite import write_tables
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+    tmp.mkdir()  # a plain mkdir: the folder gets the usual permissions
+    try:
+        write_json_atomic(tmp / "results.json", {k: _jsonable(v) for k, v in results.items()})
+        (tmp / "results.md").write_text(markdown_table(results, f"{checkpoint}"))
+        for name, ev in suites.items():   # the suite's table: suite.json + suite.md
+            from evaluators.suite import write_tables
 
-        write_tables(ev.rows, out, {"checkpoint": str(checkpoint), "evaluator": name})
+            write_tables(ev.rows, tmp, {"checkpoint": str(checkpoint), "evaluator": name})
+        written = make_plots(collected, {n: evals[n]["type"] for n in modules}, per_eval, tmp) if plots else []
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if suites:
         print(f"wrote {out / 'suite.md'}")
-    written = make_plots(collected, {n: evals[n]["type"] for n in modules}, per_eval, out) if plots else []
     print(f"wrote {out / 'results.json'}, {out / 'results.md'} ({len(results)} values) and "
           f"{len(written)} plots")
     return results

@@ -131,7 +131,7 @@ def test_convert_from_pytorch_writes_nothing_on_bad_input(tmp_path, golden_state
 
 def test_convert_to_pytorch_errors(tmp_path, capsys, golden_params, golden_config):
     assert convert_to_pytorch.main(["--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "hf")]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    assert "no such file or folder" in capsys.readouterr().err
     ckpt = tmp_path / "ckpt"
     checkpoint.save_params(ckpt, golden_params, golden_config, step=7)
     (tmp_path / "taken").mkdir()

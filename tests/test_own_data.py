@@ -259,7 +259,7 @@ def test_recipe_evaluate_a_checkpoint_with_overrides(tmp_path, spm_model, micro,
     # a class-name trap on the command line: exit 2 and one line saying what is wrong
     (tmp_path / "names.txt").write_text("five\neight\nseven up\n")
     capsys.readouterr()
-    code = evaluate.main(["--checkpoint", str(tmp_path / "ckpt"), "--config", EVAL, "--out", str(out),
+    code = evaluate.main(["--checkpoint", str(tmp_path / "ckpt"), "--config", EVAL, "--out", str(out), "--overwrite",
                           f"--config.root={tmp_path / 'digits'}", f"--config.tokenizer.path={spm_model}",
                           f"--config.classnames={tmp_path / 'names.txt'}"])
     last = capsys.readouterr().err.strip().splitlines()[-1]   # (above it: progress bars)

@@ -94,7 +94,7 @@ def test_no_config_beside_weights(tmp_path):
     shutil.copy(CLIP / "open_clip_model.safetensors", w)
     with pytest.raises(FileNotFoundError, match="open_clip_config.json not found: pass arch="):
         load_pretrained(w)
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(FileNotFoundError, match="no such file or folder"):
         load_pretrained(tmp_path / "nope.safetensors")
 
 

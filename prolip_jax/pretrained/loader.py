@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from prolip_jax import checkpoint, convert
+from prolip_jax import checkpoint, convert, tool_paths
 from prolip_jax.models.config import VARIANTS, ProLIPConfig, get_config
 from prolip_jax.models.prolip import abstract_params
 from prolip_jax.pretrained import bigvision, hub, openclip
@@ -58,7 +58,8 @@ def load_pretrained(path_or_repo: str | os.PathLike, format: str = "auto",
     """(config, float32 params, report) of a pretrained model of any supported family.
 
     path_or_repo: a file (.safetensors, .npz), a folder (Hugging Face layout, open_clip hub
-      layout, a prolip_jax checkpoint) or a Hugging Face repo id ('timm/ViT-B-16-SigLIP').
+      layout, a prolip_jax checkpoint, its step folder or training workdir) or a Hugging Face
+      repo id ('timm/ViT-B-16-SigLIP'): prolip_jax.tool_paths.locate's rule.
     format: 'auto' detects the family from the keys; any other value must match it.
     arch: the architecture when the source does not carry it: an open_clip model name
       ('ViT-B-32-quickgelu', openclip.ARCHS) or model-config dict for open_clip/timm weights, a
@@ -70,17 +71,17 @@ def load_pretrained(path_or_repo: str | os.PathLike, format: str = "auto",
     """
     if format not in FORMATS:
         raise ValueError(f"unknown format {format!r}; choose from {FORMATS}")
-    path = Path(path_or_repo)
-    if hub.is_repo_id(path_or_repo):
+    where = tool_paths.locate(path_or_repo)  # paths are paths; only a missing org/name is a repo id
+    if where.kind == "checkpoint":  # a prolip_jax checkpoint, its step folder or training workdir
+        return _own_checkpoint(where.step_dir, format)
+    if where.kind == "hub":
         if format == "big_vision":
             raise ValueError("big_vision .npz checkpoints are not on the Hugging Face hub; pass the local file")
         path = hub.resolve(str(path_or_repo), prefer=format)
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist (and is not a Hugging Face repo id 'org/name')")
+    else:
+        path = Path(where.path)
 
     if path.is_dir():
-        if checkpoint.is_checkpoint(path):
-            return _own_checkpoint(path, format)
         path = _weights_in(path)
     if path.suffix in PICKLE_SUFFIXES:
         raise ValueError(pickle_message(path))

@@ -1,0 +1,95 @@
+"""Where the user commands find a model (`locate`) and where they may write (`check_out`).
+
+`scripts/evaluate.py`, `scripts/convert_to_pytorch.py`, `scripts/convert_from_pytorch.py` and
+`prolip_jax.load` read their model path through `locate`, so each takes the same things:
+
+    WORKDIR              a training workdir: its `checkpoints/` (the trainer's manager root)
+    WORKDIR/checkpoints  a checkpoint manager root (CKPT): the latest step, or --step
+    CKPT/<step>          one step folder
+    HF_DIR               an exported Hugging Face folder (config.json + model.safetensors)
+    anything else        a weights file or folder of another family, or a hub repo id, for
+                         `prolip_jax.pretrained.loader.load_pretrained`
+
+The path rule (prolip_jax/pretrained/hub.py): what exists locally is a local path; what looks
+like a path (absolute, `./`, `../`, `~`, more than one `/`, a URL, a file name such as
+`x/model.npz`) is a path, and a missing one is one line, "no such file or folder: X", with no
+network call. Only a missing two-part `org/name` is tried as a Hugging Face repo id; its error
+says both that no such local folder exists and what the hub (or its cache) answered.
+
+`check_out(path, overwrite)`: an output folder must be absent or empty unless --overwrite.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Literal
+
+from prolip_jax import checkpoint, convert
+from prolip_jax.pretrained import hub
+
+Kind = Literal["checkpoint", "hf", "hub", "other"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Located:
+    """kind "checkpoint": `path` is the manager root and `step` the step (resolved);
+    "hf": an exported Hugging Face folder; "hub": a repo id (`path` is the str);
+    "other": an existing file or folder for load_pretrained."""
+
+    kind: Kind
+    path: Path | str
+    step: int | None = None
+
+    @property
+    def step_dir(self) -> Path:
+        """CKPT/<step> of a "checkpoint"."""
+        return Path(self.path) / str(self.step)
+
+
+def locate(path: str | os.PathLike, step: int | None = None) -> Located:
+    """The one rule above. Raises FileNotFoundError (one line) for a missing local path or a
+    workdir / manager root without a complete checkpoint, ValueError for a step that the path
+    cannot have (a step folder of another step; a Hugging Face folder has no steps)."""
+    s = os.fspath(path).removeprefix("file://")
+    if hub.is_url(s):  # a bucket: only a checkpoint can live there (orbax reads it)
+        for candidate in (s, s.rstrip("/") + "/checkpoints"):
+            if checkpoint.is_checkpoint(candidate):
+                return Located("checkpoint", *checkpoint.resolve(candidate, step))
+        raise FileNotFoundError(f"no prolip_jax checkpoint found at {s} (from a bucket the tools read a training "
+                                "workdir, its checkpoints folder or a step folder)")
+    local = Path(s).expanduser()
+    if not local.exists():
+        if hub.is_repo_id(s):
+            return Located("hub", s)
+        raise FileNotFoundError(f"no such file or folder: {s}")
+    if local.is_dir():
+        if _has_steps(local):
+            return Located("checkpoint", *checkpoint.resolve(local, step))
+        if convert.is_hf_dir(local):
+            if step is not None:
+                raise ValueError(f"{s} is a Hugging Face folder (one model, no steps): drop --step {step}")
+            return Located("hf", local)
+        ckpts = local / "checkpoints"
+        if ckpts.is_dir():  # a training workdir: its error (no complete step yet) names the folder
+            return Located("checkpoint", *checkpoint.resolve(ckpts, step))
+    return Located("other", local, step)
+
+
+def _has_steps(folder: Path) -> bool:
+    """A manager root or a step folder: `<step>/params` below it, or `params` in a <step> folder."""
+    if folder.name.isdigit() and (folder / checkpoint.PARAMS).is_dir():
+        return True
+    return any(p.name.isdigit() and (p / checkpoint.PARAMS).is_dir() for p in folder.iterdir())
+
+
+def check_out(path: str | os.PathLike, overwrite: bool, flag: str = "--out") -> Path:
+    """`path` as a Path if it may be written: absent, an empty folder, or (overwrite) a folder
+    that will be replaced. Raises FileExistsError, one line naming --overwrite."""
+    out = Path(path).expanduser()
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{flag} {out} is a file, not a folder: pass another {flag}")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{flag} {out} exists and is not empty: pass --overwrite to replace it, "
+                              f"or another {flag}")
+    return out
