@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +33,11 @@ from input_pipeline import tokenizer_files, transforms
 from input_pipeline.decode import to_rgb
 from input_pipeline.tokenizers import build_tokenizer
 from prolip_jax import checkpoint, convert, export, normalization as normalization_lib, overview, tool_paths
+from evaluators import zeroshot
 from prolip_jax.encode import Encoder
 from prolip_jax.models.config import ProLIPConfig
 from prolip_jax.models.prolip import ProLIP
+from prolip_jax.objectives.prolip.ppcl import ppcl_logits
 from prolip_jax.pretrained.loader import load_pretrained
 
 
@@ -66,12 +68,54 @@ class PretrainedProLIP:
 
     @property
     def logit_scale(self) -> float:
-        """a = exp(logit_scale)."""
+        """log a, the learned parameter, as open_clip's `model.logit_scale` (a = `scale`)."""
+        return float(self.params["logit_scale"])
+
+    @property
+    def scale(self) -> float:
+        """a = exp(logit_scale), the factor of the match logits (`similarity`)."""
         return float(np.exp(self.params["logit_scale"]))
 
     @property
     def logit_bias(self) -> float:
+        """b, the bias of the match logits."""
         return float(self.params["logit_bias"])
+
+    def similarity(self, image: tuple[Any, Any], text: tuple[Any, Any]) -> np.ndarray:
+        """Match logits [N, M] of N encoded images and M encoded texts ((mu, log sigma^2) pairs as
+        `encode_image` / `encode_text` return them): the training's PPCL logit
+        a (mu_v . mu_t - tr(S_v + S_t) / 2) + b = -(a / 2) CSD + a + b for unit mu ("Probabilistic
+        Language-Image Pre-Training", eq. 2); sigmoid gives the match probability. A deterministic
+        model (log sigma^2 None) scores a mu_v . mu_t + b."""
+        (img_mu, img_logvar), (txt_mu, txt_logvar) = image, text
+        img_mu, txt_mu = np.asarray(img_mu, np.float32), np.asarray(txt_mu, np.float32)
+        if img_mu.ndim != 2 or txt_mu.ndim != 2 or img_mu.shape[1] != txt_mu.shape[1]:
+            raise ValueError(f"similarity takes (mu [N, D], logvar) pairs of one width, got mu {img_mu.shape} "
+                             f"and {txt_mu.shape}")
+        none = lambda mu, lv: np.full_like(mu, -np.inf) if lv is None else np.asarray(lv, np.float32)  # exp -> 0
+        return np.asarray(ppcl_logits(img_mu, none(img_mu, img_logvar), txt_mu, none(txt_mu, txt_logvar),
+                                      self.scale, self.logit_bias))
+
+    def zero_shot(self, image: tuple[Any, Any], classnames: Sequence[str],
+                  templates: Sequence[str] = ("a photo of a {}.",)) -> np.ndarray:
+        """Class probabilities [N, C] of N encoded images ((mu, log sigma^2) of `encode_image`):
+        each class's prompts (every template filled with its name) are encoded with the recorded
+        tokenizer and averaged (mu renormalised, sigma^2 averaged), then scored as the zero-shot
+        evaluator does, 100 mu_v . mu_c - 50 tr(S_c) (evaluators/zeroshot.py; the dot product alone
+        for a deterministic model), and normalised with a softmax over the classes."""
+        if isinstance(classnames, str) or not len(classnames):
+            raise ValueError("classnames must be a non-empty list of class names")
+        text_mu, text_logvar = self.encode_text(self.tokenize(zeroshot.prompts(classnames, templates)))
+        n, t = len(classnames), len(templates)
+        if text_logvar is None:
+            class_mu, _ = zeroshot.class_embeddings(text_mu, np.zeros_like(text_mu), n, t)
+            logits = zeroshot.zeroshot_logits(np.asarray(image[0]), class_mu, kind="dot")
+        else:
+            class_mu, class_sigma2 = zeroshot.class_embeddings(text_mu, text_logvar, n, t)
+            logits = zeroshot.zeroshot_logits(np.asarray(image[0]), class_mu, class_sigma2, kind="csd")
+        logits = logits - logits.max(-1, keepdims=True)
+        probs = np.exp(logits)
+        return (probs / probs.sum(-1, keepdims=True)).astype(np.float32)
 
     def encode_image(self, images: Any) -> tuple[np.ndarray, np.ndarray | None]:
         """images float [N, H, W, 3] (normalised) -> (mu [N, D] unit-norm, log sigma^2 [N, D] or None)."""
