@@ -2,7 +2,8 @@
 evaluators' readers (evaluators/retrieval_data.py, evaluators/zeroshot.py): Karpathy split
 files, one-item-per-line / JSON lists, and which file names are images.
 
-It imports nothing of the project, so everything that reads these files can import it.
+It imports only the core's path layer (local folders or buckets), so everything that reads these
+files can import it.
 """
 from __future__ import annotations
 
@@ -10,21 +11,23 @@ import json
 import os
 from typing import Any, Mapping, Sequence
 
+from prolip_jax import paths as fs
+
 IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png", ".bmp", ".webp")
 
 
 def need(path: str, what: str, who: str = "retrieval evaluator") -> str:
     """`path`, or FileNotFoundError "<who>: <what> not found: <path>"."""
-    if not os.path.exists(path):
+    if not fs.exists(path):
         raise FileNotFoundError(f"{who}: {what} not found: {path}")
     return path
 
 
 def read_list(path: str, what: str) -> list[str]:
     """A JSON list or a text file, one item per line."""
-    if not os.path.exists(path):
+    if not fs.exists(path):
         raise FileNotFoundError(f"{what} file {path!r} does not exist")
-    with open(path) as f:
+    with fs.open(path, "r") as f:
         if path.endswith(".json"):
             out = json.load(f)
             if not isinstance(out, list):
@@ -40,7 +43,7 @@ def read_karpathy(json_path: str, splits: Sequence[str], who: str = "Karpathy sp
     "filename", "split", "cocoid" | "imgid", "sentences": [{"raw"}, ...]}, ...]}).
     Shared by the retrieval evaluator (karpathy) and the training source (captions.py);
     errors name the file and, for a malformed entry, the entry."""
-    with open(need(json_path, "Karpathy split file", who)) as f:
+    with fs.open(need(json_path, "Karpathy split file", who), "r") as f:
         meta = json.load(f)
     if not isinstance(meta, dict) or not isinstance(meta.get("images"), list):
         raise ValueError(f"{who}: {json_path} is not a Karpathy split file (no 'images' list)")
@@ -62,5 +65,5 @@ def karpathy_image_path(image_root: str, entry: Mapping[str, Any], flat: bool = 
     """image_root/filepath/filename (COCO's train2014/, val2014/), or image_root/filename
     (flat=True; Flickr30K, or COCO images gathered in one folder)."""
     if flat:
-        return os.path.join(image_root, entry["filename"])
-    return os.path.join(image_root, entry.get("filepath", ""), entry["filename"])
+        return fs.join(image_root, entry["filename"])
+    return fs.join(image_root, entry.get("filepath", ""), entry["filename"])

@@ -48,6 +48,7 @@ import numpy as np
 from input_pipeline import caption_files
 from input_pipeline.config import DEFAULT_SPLITS
 from input_pipeline.records import Skip
+from prolip_jax import paths as fs
 
 log = logging.getLogger(__name__)
 
@@ -155,12 +156,7 @@ def write_noisy_pairs(index: CaptionIndex, path: str | os.PathLike) -> str:
                            "noise_ratio": index.noise_ratio, "noise_seed": index.noise_seed,
                            "num_pairs": index.num_pairs, "num_corrupted": len(rows),
                            "pairs": rows}, ensure_ascii=False, indent=1)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    fs.write_text_atomic(path, text)
     return path
 
 
@@ -198,12 +194,12 @@ def read_karpathy(json_path: str, image_root: str, splits: Sequence[str], source
 def _image_layout(image_root: str, entries: Sequence[dict], json_path: str, who: str) -> bool:
     """Whether images are image_root/filename (flat) rather than image_root/filepath/filename,
     from a sample of up to 32 entries; FileNotFoundError if none of them exists either way."""
-    if not os.path.isdir(image_root):
+    if not fs.isdir(image_root):
         raise FileNotFoundError(f"{who}: data.image_root {image_root!r} is not a directory")
     step = max(1, len(entries) // _SAMPLE_CHECKED)
     sample = entries[::step][:_SAMPLE_CHECKED]
     for flat in (False, True):
-        if any(os.path.isfile(caption_files.karpathy_image_path(image_root, e, flat))
+        if any(fs.isfile(caption_files.karpathy_image_path(image_root, e, flat))
                for e in sample):
             return flat
     e = sample[0]
@@ -220,14 +216,14 @@ def read_cub(root: str, splits: Sequence[str], split_dir: str = "",
     Images in class-folder order, then file name order; image id = position in that order;
     class id = NNN - 1 of the folder NNN.Class_name (PCME cub.py)."""
     who = "data.source='cub'"
-    images_dir, text_dir = os.path.join(root, "images"), os.path.join(root, "text_c10")
+    images_dir, text_dir = fs.join(root, "images"), fs.join(root, "text_c10")
     for d in (images_dir, text_dir):
-        if not os.path.isdir(d):
+        if not fs.isdir(d):
             raise FileNotFoundError(f"{who}: {d!r} does not exist (data.image_root must hold "
                                     "images/ and text_c10/)")
     classes: dict[str, str] = {}   # class folder -> the split file that named it
     for split in splits:
-        split_file = os.path.join(split_dir or root, f"{split}classes.txt")
+        split_file = fs.join(split_dir or root, f"{split}classes.txt")
         names = caption_files.read_list(split_file, f"{who} class split")
         if not names:
             raise ValueError(f"{who}: class split file {split_file} names no class")
@@ -241,32 +237,32 @@ def read_cub(root: str, splits: Sequence[str], split_dir: str = "",
         except ValueError:
             raise ValueError(f"{who}: {split_file}: class {cls!r} is not a CUB class folder "
                              "name NNN.Class_name") from None
-        img_dir, txt_dir = os.path.join(images_dir, cls), os.path.join(text_dir, cls)
-        if not os.path.isdir(img_dir):
+        img_dir, txt_dir = fs.join(images_dir, cls), fs.join(text_dir, cls)
+        if not fs.isdir(img_dir):
             raise FileNotFoundError(f"{who}: {split_file}: class {cls!r} has no image folder "
                                     f"{img_dir}")
-        if not os.path.isdir(txt_dir):
+        if not fs.isdir(txt_dir):
             raise FileNotFoundError(f"{who}: {split_file}: class {cls!r} has no caption folder "
                                     f"{txt_dir}")
-        imgs = {os.path.splitext(f)[0]: f for f in os.listdir(img_dir)
+        imgs = {os.path.splitext(f)[0]: f for f in fs.listdir(img_dir)
                 if f.lower().endswith(caption_files.IMAGE_EXTENSIONS)}
-        txts = {os.path.splitext(f)[0]: f for f in os.listdir(txt_dir) if f.endswith(".txt")}
+        txts = {os.path.splitext(f)[0]: f for f in fs.listdir(txt_dir) if f.endswith(".txt")}
         for stem in sorted(set(txts) - set(imgs)):
-            raise ValueError(f"{who}: caption file {os.path.join(txt_dir, txts[stem])} has no "
+            raise ValueError(f"{who}: caption file {fs.join(txt_dir, txts[stem])} has no "
                              f"matching image in {img_dir}")
         for stem in sorted(set(imgs) - set(txts)):
-            raise ValueError(f"{who}: image {os.path.join(img_dir, imgs[stem])} has no caption "
+            raise ValueError(f"{who}: image {fs.join(img_dir, imgs[stem])} has no caption "
                              f"file {stem}.txt in {txt_dir}")
         if not imgs:
             raise FileNotFoundError(f"{who}: {split_file}: class {cls!r} has no images in "
                                     f"{img_dir}")
         for stem in sorted(imgs):
-            txt_path = os.path.join(txt_dir, txts[stem])
-            with open(txt_path, encoding="utf-8", errors="replace") as f:
+            txt_path = fs.join(txt_dir, txts[stem])
+            with io.TextIOWrapper(fs.open(txt_path, "rb"), encoding="utf-8", errors="replace") as f:
                 lines = [line.strip() for line in f if line.strip()]
             if not lines:
                 raise ValueError(f"{who}: caption file {txt_path} holds no caption")
-            paths.append(os.path.join(img_dir, imgs[stem]))
+            paths.append(fs.join(img_dir, imgs[stem]))
             class_ids.append(cid)
             captions.append(_first(lines, captions_per_image))
     files = sorted(set(classes.values()))
@@ -323,8 +319,7 @@ class ToRaw:
             return item
         epoch, index, element = item
         try:
-            with open(element["path"], "rb") as f:
-                data = f.read()
+            data = fs.read_bytes(element["path"])
         except OSError:   # absent, a directory, unreadable: skipped and counted
             return Skip("missing_image", element["path"])
         return {"image": data, "txt": element["txt"], "key": element["key"], "label": None,

@@ -1,5 +1,7 @@
-"""Paths: shard patterns (brace expansion, globs, local or fsspec URLs), and files written
-atomically with the permissions of a normal file.
+"""Shard patterns: brace expansion and globs over local paths or bucket URLs (gs://, ...).
+
+Opening, listing and writing files is the core's path layer (prolip_jax/paths.py); this module
+only turns a pattern into the ordered list of shard paths.
 
 `expand_paths("shards/{00000..01023}.tar")` gives 1024 paths, zero-padded like the pattern
 (webdataset / img2dataset naming). Alternatives `{train,val}` and several braces in one pattern
@@ -8,20 +10,13 @@ start-up with a message naming the path, not hours later inside a worker process
 """
 from __future__ import annotations
 
-import glob as glob_lib
 import os
 import re
-import tempfile
-from pathlib import Path
-from typing import IO, Any, Sequence
+from typing import Sequence
+
+from prolip_jax import paths as fs
 
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
-
-
-def is_url(path: str) -> bool:
-    """True for `scheme://...` paths (gs://, s3://, https://, ...), which go through fsspec."""
-    return (re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", path) is not None
-            and not path.startswith("file://"))
 
 
 def _find_closing(pattern: str, start: int) -> int:
@@ -93,75 +88,17 @@ def expand_paths(patterns: str | Sequence[str], check_exists: bool = True) -> li
     for pattern in patterns:
         for path in expand_braces(os.fspath(pattern)):
             if not any(ch in path for ch in "*?["):
-                paths.append(path if is_url(path)
-                             else os.path.expanduser(path.removeprefix("file://")))
+                paths.append(path if fs.is_url(path) else fs.local(path))
                 continue
-            if is_url(path):
-                import fsspec
-                fs = fsspec.core.url_to_fs(path)[0]
-                protocol = path.split("://", 1)[0]
-                matches = sorted(f"{protocol}://{p.split('://', 1)[-1]}" for p in fs.glob(path))
-            else:
-                matches = sorted(glob_lib.glob(os.path.expanduser(path)))
+            matches = fs.glob(path)
             if not matches and check_exists:
                 raise FileNotFoundError(f"The glob {path!r} (from {pattern!r}) matches no file.")
             paths.extend(matches)
     if check_exists:
-        missing = [p for p in paths if not is_url(p) and not os.path.isfile(p)]
+        missing = [p for p in paths if not fs.is_url(p) and not os.path.isfile(p)]
         if missing:
             raise FileNotFoundError(
                 f"{len(missing)} of {len(paths)} data files do not exist, e.g. {missing[0]!r}"
                 + (f" and {missing[-1]!r}" if len(missing) > 1 else "")
                 + f" (from {list(patterns)!r}).")
     return paths
-
-
-def open_binary(path: str) -> IO[bytes]:
-    """Opens a local path or an fsspec URL for streaming reads."""
-    if is_url(path):
-        import fsspec
-        return fsspec.open(path, "rb").open()
-    return open(path, "rb")
-
-
-# --------------------------------------------------------------------------- writing files
-def umask() -> int:
-    """The process umask (read without changing it where /proc allows)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)  # elsewhere: set and restore (not thread-safe, hence the /proc path)
-    os.umask(mask)
-    return mask
-
-
-def chmod_default(path: str | os.PathLike) -> None:
-    """Gives `path` the mode a plain `open(..., "w")` / `mkdir` would: 0666 (files) or 0777
-    (folders) minus the umask. Temporary files and folders (tempfile.mkstemp / mkdtemp, and
-    safetensors' own writer) are created 0600 / 0700, which would lock out everyone else."""
-    base = 0o777 if os.path.isdir(path) else 0o666
-    os.chmod(path, base & ~umask())
-
-
-def write_bytes_atomic(path: Any, data: bytes) -> None:
-    """Writes `data` to `path` (a local path or an etils epath, e.g. gs://) so that a reader never
-    sees a partial file: local files go through a temporary sibling and a rename."""
-    s = os.fspath(path) if not hasattr(path, "as_uri") or isinstance(path, Path) else str(path)
-    if "://" in s:
-        path.write_bytes(data)  # object stores replace an object atomically
-        return
-    directory = os.path.dirname(s) or "."
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(s)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        chmod_default(tmp)
-        os.replace(tmp, s)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

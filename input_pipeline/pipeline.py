@@ -433,6 +433,8 @@ def _random_access_source(cfg: DataConfig) -> tuple[Any, Callable[[Any], Any], l
         ds, split = _demo(cfg)
         files = [ds.split_path(split)]
     else:
+        patterns = cfg.path.split("::") if isinstance(cfg.path, str) else list(cfg.path)
+        sources.require_local_array_records(patterns)  # before globbing a bucket
         files = paths_lib.expand_paths(cfg.path)
     return sources.array_record_source(files), sources.ToRaw("array_record"), files
 
@@ -494,9 +496,10 @@ def _build(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer | None, 
     if cfg.source == "tar":
         files = paths_lib.expand_paths(cfg.path)
         if len(files) < p * workers:
+            fix = (f"set --config.data.num_workers={len(files) // p} or fewer, or split the data into "
+                   f"{p * workers}+ shards" if len(files) >= p else f"split the data into {p}+ shards")
             raise ValueError(f"{len(files)} tar shards cannot feed {p} hosts x {workers} "
-                             "worker processes (each needs at least one shard): use fewer "
-                             "workers or split the data into more shards.")
+                             f"worker processes (each needs at least one shard): {fix}.")
         order = tar_source.TarStreamDataset(
             files, seed=cfg.seed, shuffle=shuffle, process_index=h, process_count=p,
             num_epochs=num_epochs, shuffle_buffer_size=cfg.shuffle_buffer_size)

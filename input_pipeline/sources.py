@@ -25,6 +25,7 @@ import numpy as np
 import grain
 
 from input_pipeline.records import Skip, raw_from_record_bytes
+from prolip_jax import paths as fs
 
 _EPOCH_SEED_TAG = 0xE90C
 
@@ -152,8 +153,20 @@ class ToRaw:
                 "rng_key": rng_key}
 
 
+def require_local_array_records(paths: Sequence[str]) -> None:
+    """array_record's C++ reader (riegeli) opens local files only (the open-source build has no
+    GCS reader): a bucket path is refused at start-up, saying what to do (docs/buckets.md)."""
+    remote = [p for p in paths if fs.is_url(p)]
+    if remote:
+        fs.require_local(remote[0], "array_record shards",
+                         f"copy them to local disk (gcloud storage cp -r '{remote[0].rsplit('/', 1)[0]}' "
+                         "/local/dir) and point data.path there, or use tar shards "
+                         "(data.source='tar'), which stream from a bucket")
+
+
 def array_record_source(paths: Sequence[str]) -> Any:
-    """grain's ArrayRecordDataSource over the files (records in `records.py` format)."""
+    """grain's ArrayRecordDataSource over the local files (records in `records.py` format)."""
+    require_local_array_records(paths)
     return grain.sources.ArrayRecordDataSource(list(paths))
 
 
@@ -162,6 +175,11 @@ def tfds_source(name: str, split: str, data_dir: str | None) -> Any:
 
     Needs the optional extra (`pip install 'prolip_jax[tfds]'`); TensorFlow is not needed.
     """
+    if data_dir:
+        fs.require_local(data_dir, "data.tfds_data_dir",
+                         "tfds.data_source reads array_record files, which must be local: copy the "
+                         f"prepared dataset (gcloud storage cp -r '{data_dir}' /local/dir) and point "
+                         "data.tfds_data_dir there")
     try:
         import tensorflow_datasets as tfds
     except ImportError as e:

@@ -29,7 +29,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import grain
 
-from input_pipeline import paths as paths_lib
+from prolip_jax import paths as fs
 from input_pipeline.records import Skip
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
@@ -255,7 +255,7 @@ def iter_shard(path: str, shard_id: int, epoch: int, start: int = 0
     path or missing permission, which the user must fix, not data to skip.
     """
     try:
-        f = paths_lib.open_binary(path)
+        f = fs.open(path, "rb")
     except FileNotFoundError:
         raise FileNotFoundError(f"Tar shard {path!r} does not exist (it was listed when the "
                                 "pipeline was built).") from None

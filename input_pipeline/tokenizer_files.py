@@ -13,7 +13,8 @@ A model's token ids mean nothing without the exact tokenizer file that produced 
   same record as `prolip_tokenizer.json`, and for PyTorch users a `tokenizer.json` +
   `tokenizer_config.json` that `transformers.AutoTokenizer` / open_clip's `HFTokenizer` load.
 
-Files are written atomically with the permissions of a normal file (input_pipeline/paths.py).
+Files are read and written through the path layer (prolip_jax/paths.py): local folders or buckets
+(gs://), written atomically with the permissions of a normal file.
 """
 from __future__ import annotations
 
@@ -26,11 +27,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-from etils import epath
-
 from input_pipeline import tokenizers as T
-from input_pipeline.paths import write_bytes_atomic
 from prolip_jax import checkpoint
+from prolip_jax import paths as fs
+from prolip_jax.paths import write_bytes_atomic
 
 RECORD_NAME = "prolip_tokenizer.json"  # the record inside an exported Hugging Face folder
 # The usual file name of each kind inside an export (transformers' names for the first two).
@@ -80,10 +80,10 @@ class TokenizerFile:
 
     def write_into(self, directory: Any, name: str | None = None) -> dict[str, Any]:
         """Writes the file into `directory` (unless already there with this content) and returns
-        its record. `directory`: a local path or an etils epath."""
+        its record. `directory`: a local path, a bucket URL or an etils epath."""
         name = name or self.stored_name
-        target = epath.Path(directory) / name
-        if not (target.exists() and _sha256_of(target) == self.sha256):
+        target = fs.join(directory, name)
+        if not (fs.exists(target) and _sha256_of(target) == self.sha256):
             write_bytes_atomic(target, self.content)
         return self.record(name)
 
@@ -99,12 +99,12 @@ class TokenizerFile:
             kind, content = "hf", tokenizer._json.encode("utf-8")
             kwargs = dict(clean=tokenizer.clean, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id)
         elif isinstance(tokenizer, T.ClipBpeTokenizer):
-            kind, content = "clip_bpe", Path(tokenizer.path).read_bytes()
+            kind, content = "clip_bpe", fs.read_bytes(tokenizer.path)
             kwargs = dict(clean=tokenizer.clean)
         elif type(tokenizer).__name__ == "DemoTokenizer":
             # The demo's word-level tokenizer.json, read as kind "hf" (same ids: no cleaning,
             # truncation and padding by the library, pad = EOS = 1).
-            kind, content = "hf", Path(tokenizer.path).read_bytes()
+            kind, content = "hf", fs.read_bytes(tokenizer.path)
             kwargs = dict(clean=None, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id)
         else:
             return None
@@ -117,11 +117,11 @@ class TokenizerFile:
     @classmethod
     def read(cls, directory: Any, record: Mapping[str, Any]) -> "TokenizerFile":
         """The recorded file from `directory`; an error if it is missing or its content changed."""
-        path = epath.Path(directory) / record["file"]
-        if not path.exists():
+        path = fs.join(directory, record["file"])
+        if not fs.exists(path):
             raise FileNotFoundError(f"the model's tokenizer {path} is missing (recorded with sha256 "
                                     f"{record['sha256']}); copy it back from the training's checkpoint directory")
-        content = path.read_bytes()
+        content = fs.read_bytes(path)
         got = hashlib.sha256(content).hexdigest()
         if got != record["sha256"]:
             raise ValueError(f"the tokenizer file {path} has changed since training (sha256 {got}, "
@@ -151,7 +151,7 @@ class TokenizerFile:
 
 
 def _sha256_of(path: Any) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return hashlib.sha256(fs.read_bytes(path)).hexdigest()
 
 
 def tokenizer_from_record(directory: Any, record: Mapping[str, Any] | None,
@@ -160,7 +160,7 @@ def tokenizer_from_record(directory: Any, record: Mapping[str, Any] | None,
     if not record:
         return None
     tf = TokenizerFile.read(directory, record)
-    return tf.build(os.fspath(epath.Path(directory) / record["file"]), context_length)
+    return tf.build(fs.join(directory, record["file"]), context_length)
 
 
 # --------------------------------------------------------------------------- Hugging Face export

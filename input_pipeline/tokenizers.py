@@ -39,6 +39,8 @@ import ftfy
 import numpy as np
 import regex
 
+from prolip_jax import paths as fs
+
 # Rust-side thread pools and forked grain workers do not mix (open_clip sets the same at import);
 # setdefault keeps an explicit user choice.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -144,21 +146,17 @@ _CLIP_HINT = (
 )
 
 
-def _read_local_file(path: Union[str, os.PathLike], kind: str, what: str, hint: str) -> bytes:
-    """Bytes of a local file, or a :class:`TokenizerFileNotFoundError` that says what to fetch."""
-    path_str = os.fspath(path)
-    tail = ("This code never downloads files at run time: copy the file to local disk once and "
-            "point the config at it. " + hint)
-    if "://" in path_str:
+def _read_file(path: Union[str, os.PathLike], kind: str, what: str, hint: str) -> bytes:
+    """Bytes of a local file or a bucket object (gs://..., through the path layer), or a
+    :class:`TokenizerFileNotFoundError` that says what to fetch."""
+    tail = ("This code never downloads files from the internet at run time: put the file on local "
+            "disk or in your bucket once and point the config at it. " + hint)
+    name = os.fspath(path) if fs.is_url(path) else fs.local(path)
+    if not fs.isfile(name):
         raise TokenizerFileNotFoundError(
-            f"The {kind!r} tokenizer needs {what} as a local file, got the URL {path_str!r}. {tail}")
-    local = os.path.expanduser(path_str)
-    if not os.path.isfile(local):
-        raise TokenizerFileNotFoundError(
-            f"The {kind!r} tokenizer needs {what}, but {local!r} does not exist "
+            f"The {kind!r} tokenizer needs {what}, but {name!r} does not exist "
             f"or is not a file. {tail}")
-    with open(local, "rb") as f:
-        return f.read()
+    return fs.read_bytes(name)
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,7 +311,7 @@ class SentencePieceTokenizer(Tokenizer):
                  pad_id: Optional[int] = None, add_eos: bool = True, num_threads: int = 1):
         super().__init__(context_length, clean)
         self.path = os.fspath(path)
-        self._model_bytes = _read_local_file(path, self.kind, "a SentencePiece '.model' file", _SPM_HINT)
+        self._model_bytes = _read_file(path, self.kind, "a SentencePiece '.model' file", _SPM_HINT)
         self.add_eos = bool(add_eos)
         self.num_threads = int(num_threads)
         sp = self.backend  # load once here: fail early on a bad file, read the vocab facts
@@ -422,11 +420,11 @@ class HFJsonTokenizer(Tokenizer):
                  eos_id: Union[int, str, None] = None):
         super().__init__(context_length, clean)
         path = os.fspath(path)
-        if os.path.isdir(os.path.expanduser(path)):
-            path = os.path.join(path, "tokenizer.json")
+        if fs.isdir(path):
+            path = fs.join(path, "tokenizer.json")
         self.path = path
         what = "a Hugging Face 'tokenizer.json'"
-        self._json = _read_local_file(path, self.kind, what, _HF_HINT).decode("utf-8")
+        self._json = _read_file(path, self.kind, what, _HF_HINT).decode("utf-8")
         from tokenizers import Tokenizer as _HFTok
 
         try:
@@ -568,7 +566,7 @@ class ClipBpeTokenizer(Tokenizer):
         super().__init__(context_length, clean)
         self.path = os.fspath(path)
         self.cache_size = int(cache_size)
-        raw = _read_local_file(path, self.kind, "a CLIP BPE merges file", _CLIP_HINT)
+        raw = _read_file(path, self.kind, "a CLIP BPE merges file", _CLIP_HINT)
         self._merges = self._parse_merges(raw)
         vocab = list(_bytes_to_unicode().values())
         vocab = vocab + [v + "</w>" for v in vocab]

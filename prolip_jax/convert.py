@@ -17,6 +17,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from prolip_jax import paths as fs
 from prolip_jax.models.config import ProLIPConfig
 from prolip_jax.models.prolip import abstract_params
 
@@ -343,9 +344,17 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
     out = {}
     try:
+        if fs.is_url(path):  # a bucket object: safe_open maps local files only, so read it whole
+            from safetensors.flax import load
+
+            for k, v in load(fs.read_bytes(path)).items():
+                out[k] = np.array(v, dtype=np.float32)
+            return out
         with safe_open(str(path), framework="flax") as f:  # "flax" also reads bfloat16
             for k in f.keys():
                 out[k] = np.array(f.get_tensor(k), dtype=np.float32)  # writable host copy
+    except ImportError:
+        raise
     except Exception as e:  # safetensors raises its own error types for corrupt headers
         raise ValueError(f"could not read {path} as safetensors: {e}") from e
     return out

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from input_pipeline import tokenizer_files
-from input_pipeline.paths import chmod_default
+from prolip_jax.paths import chmod_default
 from prolip_jax import convert
 from prolip_jax import normalization as normalization_lib
 from prolip_jax.models.config import ProLIPConfig

@@ -20,6 +20,8 @@ from typing import Any
 
 import jax
 
+from prolip_jax import paths
+
 PROFILE_DIR = "profile"
 
 
@@ -54,7 +56,7 @@ class Profiler:
 
     def __init__(self, config: ProfileConfig, workdir: str | Path, total_steps: int, is_chief: bool):
         self.config = config
-        self.logdir = Path(workdir) / PROFILE_DIR
+        self.logdir = paths.join(workdir, PROFILE_DIR)  # a bucket URL stays one (prolip_jax/paths.py)
         self.stop_after = min(config.start_step + config.num_steps, total_steps)
         self.active = False
         self._on = is_chief and config.enabled
@@ -62,8 +64,8 @@ class Profiler:
     def before_step(self, step: int) -> None:
         """`step`: the steps done so far (the next one is step + 1)."""
         if self._on and step == self.config.start_step:
-            self.logdir.mkdir(parents=True, exist_ok=True)
-            jax.profiler.start_trace(str(self.logdir))
+            paths.makedirs(self.logdir)
+            jax.profiler.start_trace(self.logdir)
             self.active = True
 
     def after_step(self, step: int, outputs: Any) -> None:

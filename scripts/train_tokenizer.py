@@ -52,13 +52,14 @@ TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 def read_captions(inputs: Sequence[str]) -> Iterator[str]:
     """Captions of tar shards (the `.txt` member of each record) and text files (one per line)."""
     from input_pipeline import paths as paths_lib
+    from prolip_jax import paths as fs
     from input_pipeline import tar_source
     from input_pipeline.decode import pick_caption
     from input_pipeline.records import Skip
 
     for path in paths_lib.expand_paths(list(inputs)):
         if path.endswith(TAR_SUFFIXES):
-            with paths_lib.open_binary(path) as f:
+            with fs.open(path, "rb") as f:
                 try:
                     for _, members in tar_source.iter_tar_groups(f):
                         caption = pick_caption(members.get(tar_source.TEXT_EXT), None)
@@ -68,7 +69,7 @@ def read_captions(inputs: Sequence[str]) -> Iterator[str]:
                     print(f"warning: {path} is unreadable past some point ({type(e).__name__}: {e}); "
                           "its captions before that are used", file=sys.stderr)
         else:
-            with paths_lib.open_binary(path) as f:
+            with fs.open(path, "rb") as f:
                 for line in io.TextIOWrapper(f, encoding="utf-8", errors="replace"):
                     if line.strip():
                         yield line.strip()
@@ -84,7 +85,7 @@ def train_tokenizer(inputs: Sequence[str], output: str | os.PathLike, context_le
     import sentencepiece as spm
 
     from input_pipeline.tokenizers import build_tokenizer, get_clean_fn
-    from input_pipeline.paths import write_bytes_atomic
+    from prolip_jax.paths import write_bytes_atomic
 
     clean_fn = get_clean_fn(clean)
     # The tokenizer sees captions cleaned as the pipeline cleans them, so train on those.

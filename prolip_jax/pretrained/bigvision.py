@@ -24,6 +24,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from prolip_jax import paths as fs
 from prolip_jax.convert import Rule
 from prolip_jax.models.config import ProLIPConfig, TextConfig, VisionConfig
 
@@ -32,7 +33,7 @@ def read_npz(path) -> dict[str, np.ndarray]:
     """Flat {path: float32 array} without the optional `params/` prefix; big_vision stores
     bfloat16 as raw 2-byte void (utils.recover_dtype), converted here."""
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with fs.open(path, "rb") as f, np.load(f, allow_pickle=False) as z:  # local or a bucket
             flat = {k: z[k] for k in z.files}
     except Exception as e:  # BadZipFile, truncated members, pickled object arrays
         raise ValueError(f"could not read {path} as an .npz archive: {e}") from e

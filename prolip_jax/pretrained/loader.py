@@ -22,7 +22,10 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from etils import epath
+
 from prolip_jax import checkpoint, convert, tool_paths
+from prolip_jax import paths as fs
 from prolip_jax.models.config import VARIANTS, ProLIPConfig, get_config
 from prolip_jax.models.prolip import abstract_params
 from prolip_jax.pretrained import bigvision, hub, openclip
@@ -71,7 +74,10 @@ def load_pretrained(path_or_repo: str | os.PathLike, format: str = "auto",
     """
     if format not in FORMATS:
         raise ValueError(f"unknown format {format!r}; choose from {FORMATS}")
-    where = tool_paths.locate(path_or_repo)  # paths are paths; only a missing org/name is a repo id
+    if _bucket_weights(path_or_repo):  # gs://.../model.safetensors or a folder of them: the path layer
+        where = tool_paths.Located("other", fs.as_path(path_or_repo))
+    else:
+        where = tool_paths.locate(path_or_repo)  # paths are paths; only a missing org/name is a repo id
     if where.kind == "checkpoint":  # a prolip_jax checkpoint, its step folder or training workdir
         return _own_checkpoint(where.step_dir, format)
     if where.kind == "hub":
@@ -79,7 +85,7 @@ def load_pretrained(path_or_repo: str | os.PathLike, format: str = "auto",
             raise ValueError("big_vision .npz checkpoints are not on the Hugging Face hub; pass the local file")
         path = hub.resolve(str(path_or_repo), prefer=format)
     else:
-        path = Path(where.path)
+        path = where.path if isinstance(where.path, epath.Path) else Path(where.path)
 
     if path.is_dir():
         path = _weights_in(path)
@@ -108,6 +114,16 @@ def load_pretrained(path_or_repo: str | os.PathLike, format: str = "auto",
     else:
         rules = convert.conversion_rules(config, layout, logit_bias="logit_bias" in flat)
     return _place(flat, config, rules, ImportReport(str(path), detected, layout, []), allow_unplaced)
+
+
+def _bucket_weights(path: Any) -> bool:
+    """A bucket URL naming a weights file, or a folder holding one (not an orbax checkpoint,
+    which orbax reads itself)."""
+    if not fs.is_url(path):
+        return False
+    if os.fspath(path).endswith((".safetensors", ".npz") + PICKLE_SUFFIXES):
+        return True
+    return bool(fs.glob(fs.join(path, "*.safetensors")) or fs.glob(fs.join(path, "*.npz")))
 
 
 def _weights_in(folder: Path) -> Path:
