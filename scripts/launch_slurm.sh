@@ -29,7 +29,7 @@ Settings: environment variables, or flags (WORKDIR=x or --workdir=x)
   required by submit / resume
     WORKDIR         a folder every node shares: checkpoints, metrics, slurm/ logs; a
                     resubmission with the same WORKDIR resumes
-    DATA_PATH       training shards, e.g. '/data/datacomp/*.array_record' (or gs://...)
+    DATA_PATH       training shards, e.g. '/data/datacomp/*.array_record' (tar shards may be gs://...)
     TOKENIZER       tokenizer file, e.g. /data/tokenizers/spiece.model (or gs://...)
     GPUS_PER_NODE   GPUs on each node, e.g. 8: one process per GPU
   required by logs
@@ -37,7 +37,7 @@ Settings: environment variables, or flags (WORKDIR=x or --workdir=x)
   optional
     NODES           nodes [1]
     CONFIG          trainer config [configs/prolip_b16_datacomp.py]; ':arg' allowed
-    DATA_SOURCE     array_record or tar [array_record]
+    DATA_SOURCE     tar or array_record [array_record for *.array_record, else tar]
     VENV            the CUDA environment [REPO_DIR/.venv-cuda, built by `setup`]
     PYTHON          the Python `setup` builds VENV from [python3.13, python3.12 or python3.11 on PATH]
     PARTITION, ACCOUNT, QOS, TIME, CPUS_PER_TASK   passed to sbatch when set
@@ -102,7 +102,10 @@ for name in "${SETTINGS[@]}"; do printf -v "$name" '%s' "${!name:-}"; done
 REPO_DIR=${REPO_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 NODES=${NODES:-1}
 CONFIG=${CONFIG:-configs/prolip_b16_datacomp.py}
-DATA_SOURCE=${DATA_SOURCE:-array_record}
+# The source follows the shards' names unless set: *.array_record -> array_record, else tar.
+if [[ -z $DATA_SOURCE ]]; then
+  if [[ $DATA_PATH == *.array_record ]]; then DATA_SOURCE=array_record; else DATA_SOURCE=tar; fi
+fi
 VENV=${VENV:-$REPO_DIR/.venv-cuda}
 JOB_NAME=${JOB_NAME:-prolip}
 

@@ -33,12 +33,13 @@ Settings: environment variables, or flags (TPU_NAME=x or --tpu-name=x)
     ACCELERATOR_TYPE  e.g. v4-32, v5p-64, v5litepod-16 (used when the VM is created)
     WORKDIR           gs://bucket/run: checkpoints and metrics; every worker must reach it, and
                       a relaunch with the same WORKDIR resumes
-    DATA_PATH         training shards, e.g. 'gs://bucket/datacomp/*.array_record' (passed as
+    DATA_PATH         training shards, e.g. 'gs://bucket/datacomp/{00000..09999}.tar' (passed as
                       is: a bucket, or a path that exists on every worker)
     TOKENIZER         a gs:// path (passed as is) or a local file, copied to every worker
   optional
     CONFIG            trainer config [configs/prolip_b16_datacomp.py]; ':arg' allowed
-    DATA_SOURCE       array_record or tar [array_record]
+    DATA_SOURCE       tar or array_record [array_record for *.array_record, else tar];
+                      array_record shards must be on local disk (their reader cannot stream)
     RUNTIME_VERSION   TPU software version [from ACCELERATOR_TYPE: tpu-ubuntu2204-base for v2-v4,
                       v2-alpha-tpuv5 for v5p, v2-alpha-tpuv5-lite for v5e, v2-alpha-tpuv6e for v6e]
     SPOT              1 creates a Spot VM [0]
@@ -56,7 +57,7 @@ Options
 
 Example
   TPU_NAME=prolip-v5p ZONE=us-east5-a PROJECT=my-project ACCELERATOR_TYPE=v5p-64 \
-  WORKDIR=gs://my-bucket/prolip/b16 DATA_PATH='gs://my-bucket/datacomp/*.array_record' \
+  WORKDIR=gs://my-bucket/prolip/b16 DATA_PATH='gs://my-bucket/datacomp/{00000..09999}.tar' \
   TOKENIZER=~/spiece.model bash scripts/launch_tpu_pod.sh launch
 EOF
 }
@@ -104,7 +105,10 @@ done
 # Settings left unset read as empty (set -u), then defaults that are real values, never placeholders.
 for name in "${SETTINGS[@]}"; do printf -v "$name" '%s' "${!name:-}"; done
 CONFIG=${CONFIG:-configs/prolip_b16_datacomp.py}
-DATA_SOURCE=${DATA_SOURCE:-array_record}
+# The source follows the shards' names unless set: *.array_record -> array_record, else tar.
+if [[ -z $DATA_SOURCE ]]; then
+  if [[ $DATA_PATH == *.array_record ]]; then DATA_SOURCE=array_record; else DATA_SOURCE=tar; fi
+fi
 SPOT=${SPOT:-0}
 BRANCH=${BRANCH:-main}
 PYTHON_VERSION=${PYTHON_VERSION:-3.11}
@@ -165,6 +169,11 @@ if ! is_url "$TOKENIZER"; then
   [[ -f $TOKENIZER ]] || die "TOKENIZER=$TOKENIZER is neither a gs:// path nor a local file"
 fi
 [[ -f $ROOT/${CONFIG%%:*} ]] || die "CONFIG=$CONFIG: no such file in $ROOT"
+[[ $DATA_SOURCE == tar || $DATA_SOURCE == array_record ]] || die "DATA_SOURCE=$DATA_SOURCE: use tar or array_record"
+# array_record's reader cannot stream from a bucket (docs/buckets.md): refuse before creating anything.
+if [[ $DATA_SOURCE == array_record ]] && is_url "$DATA_PATH"; then
+  die "DATA_PATH=$DATA_PATH: array_record shards must be on each worker's local disk (copy them there and pass that path), or use tar shards, which stream from a bucket (DATA_SOURCE=tar)"
+fi
 [[ $SPOT == 0 || $SPOT == 1 ]] || die "SPOT=$SPOT: use 0 or 1"
 if ! is_url "$WORKDIR"; then
   echo "$ME: note: WORKDIR=$WORKDIR is not a bucket; every worker must see it as one shared folder" >&2

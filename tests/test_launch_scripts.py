@@ -92,7 +92,7 @@ def _settings(script: Path) -> list[str]:
 # ---- TPU pod -------------------------------------------------------------------------------------
 
 POD = {"TPU_NAME": "prolip-v5p", "ZONE": "us-east5-a", "PROJECT": "proj-1", "ACCELERATOR_TYPE": "v5p-64",
-       "WORKDIR": "gs://bkt/prolip/run1", "DATA_PATH": "gs://bkt/data/*.array_record"}
+       "WORKDIR": "gs://bkt/prolip/run1", "DATA_PATH": "gs://bkt/data/{00000..00099}.tar"}
 
 
 @pytest.fixture
@@ -205,6 +205,15 @@ def test_tpu_refusals(env, tokenizer):
     assert "unknown option --zonee" in line
     line = _one_error_line(_run(TPU, env, **{**POD, "ACCELERATOR_TYPE": "v9z-8"}, TOKENIZER=tokenizer))
     assert "RUNTIME_VERSION" in line
+    # array_record cannot stream from a bucket (docs/buckets.md): refused before any cloud call.
+    line = _one_error_line(_run(TPU, env, **{**POD, "DATA_PATH": "gs://bkt/ar/*.array_record"}, TOKENIZER=tokenizer))
+    assert "must be on each worker's local disk" in line and "DATA_SOURCE=tar" in line
+    assert not _gcloud(_calls(Path(env["STUB_LOG"])), "create")
+
+
+def test_tpu_data_source_follows_the_shard_names(env, tokenizer):
+    proc = _run(TPU, env, "--dry-run", **POD, TOKENIZER=tokenizer)
+    assert proc.returncode == 0 and "--config.data.source=tar" in proc.stdout
 
 
 def test_tpu_watch_stop_delete_address_the_vm(env):
