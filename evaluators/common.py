@@ -4,6 +4,10 @@ Every evaluator encodes through `prolip_jax.encode.Encoder` (re-exported here) a
 images through `input_pipeline.eval_data` sets, so it runs sharded over all hosts' devices and
 every host computes the same metrics.
 
+Units (docs/metrics.md): every proportion an evaluator yields -- accuracy, recall, precision,
+R-Precision, mAP, F1, a share of items ("..._rate") -- is in % (0-100, `percent`), as open_clip
+and the papers report them; correlations are in [-1, 1]; sigma^2 is tr(Sigma) (`uncertainty`).
+
 Each evaluator declares its knobs once, in a frozen `Config` dataclass beside its code, parsed
 by `parse_config` (prolip_jax/schema.py): a mistyped key is an error naming the nearest field.
 """
@@ -116,20 +120,27 @@ def blocked_scores(query_mu: np.ndarray, query_logvar: np.ndarray | None, galler
         yield start, (reduce(s, start) if reduce is not None else s)
 
 
+def percent(fraction: Any) -> float:
+    """A fraction in [0, 1] as the % every evaluator reports (docs/metrics.md)."""
+    return 100.0 * float(fraction)
+
+
 def uncertainty(logvar: np.ndarray) -> np.ndarray:
-    """Per-item uncertainty as the reference logs it: sum_d sigma_d^2 = sum exp(log sigma^2)."""
+    """Per-item uncertainty tr(Sigma) = sum_d sigma_d^2 = sum_d exp(log sigma_d^2), as the
+    reference logs it; metric names call it `sigma2_trace` (docs/metrics.md)."""
+    # The trace, not the per-dimension mean: the paper's sigma_v^2 / sigma_t^2 are tr(Sigma) (§4.3).
     return np.exp(np.asarray(logvar, np.float64)).sum(-1)
 
 
 def binned_accuracy(correct: np.ndarray, unc: np.ndarray, bins: int = 10) -> tuple[np.ndarray, float]:
-    """Accuracy in `bins` equal-count bins of increasing uncertainty, and the Pearson correlation
-    between bin index and accuracy (REFERENCE §3.1 `eval_clsf_unc`; negative = the model knows
-    when it is wrong)."""
+    """Accuracy (%) in `bins` equal-count bins of increasing uncertainty, and the Pearson
+    correlation between bin index and accuracy (REFERENCE §3.1 `eval_clsf_unc`; negative = the
+    model knows when it is wrong)."""
     if len(correct) == 0:
         raise ValueError("binned_accuracy needs at least one item")
     bins = min(bins, len(correct))  # no empty bins (their mean would be NaN)
     order = np.argsort(unc, kind="stable")
-    accs = np.array([np.mean(correct[idx]) for idx in np.array_split(order, bins)])
+    accs = np.array([percent(np.mean(correct[idx])) for idx in np.array_split(order, bins)])
     if np.std(accs) == 0:
         return accs, 0.0
     return accs, float(np.corrcoef(np.arange(bins), accs)[0, 1])

@@ -29,9 +29,9 @@ Config: `Config` (dataset "hierarcaps": csv + image_dir; "demo": the demo's "lev
 roots, steps, score, inclusion, encoding knobs).
 Metrics: hierarcaps/<name>/<root>/{precision, recall, R@1, R@1_root, level{0..3}_recall,
     num_predictions} (<root>: null, inclusion, inclusion_null), and for a probabilistic model
-    hierarcaps/<name>/text_sigma2_level{i}_mean and the ordering rates of paper C.6 / Fig. 7
-    (order_adjacent_rate = eq. C.1, order_level{i}_gt_level{j}_rate), see
-    evaluators.uncertainty.ordering_rates.
+    hierarcaps/<name>/text_sigma2_trace_level{i}_mean (mean tr(Sigma)) and the ordering rates (%)
+    of paper C.6 / Fig. 7 (order_adjacent_rate = eq. C.1, order_level{i}_gt_level{j}_rate), see
+    evaluators.uncertainty.ordering_rates. Precision, recall, R@1 and the rates are in %.
 `arrays` after a run: start [N] and, per root, root_<root> [N] (caption index, -1 = "")
 and traversal_<root> [N, steps] (caption indices; `captions` holds the texts).
 """
@@ -356,6 +356,6 @@ class Evaluator:
         if probabilistic:   # Fig. 7 / C.6 on HierarCaps: sigma_t^2 by level and its ordering
             s2 = uncertainty(enc["text_logvar"]).reshape(n, LEVELS)
             for lvl, v in enumerate(s2.mean(0)):
-                yield f"{pre}/text_sigma2_level{lvl}_mean", float(v)
+                yield f"{pre}/text_sigma2_trace_level{lvl}_mean", float(v)
             for k, v in ordering_rates(s2).items():
                 yield f"{pre}/{k}", v

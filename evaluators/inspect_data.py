@@ -115,7 +115,8 @@ def write_html(out_dir: str | Path, data: EvalSet, enc: dict[str, np.ndarray], t
             "closer.</p>" + "".join(sections))
     (out / "index.html").write_text(page)
     (out / "ranking.json").write_text(json.dumps(
-        {**ranking, "image_sigma2": img_s2.tolist(), "text_sigma2": txt_s2.tolist()}, indent=1))
+        {**ranking, "image_sigma2_trace": img_s2.tolist(), "text_sigma2_trace": txt_s2.tolist()},
+        indent=1))
     return ranking
 
 

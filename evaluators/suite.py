@@ -20,7 +20,8 @@ under `data_dir` is used:
 A task without data, class names, or with labels outside its class list is skipped with one
 line saying why; nothing is ever scored 0 for lack of data. Classification scores the prompt
 ensemble with CSD ("csd", the paper's protocol: appendix B.3), or mu.mu for a deterministic
-model. Main metrics (DataComp tasklist `main_metric`, default acc1), all fractions in [0, 1]:
+model. Main metrics (DataComp tasklist `main_metric`, default acc1), all in % (0-100; DataComp
+writes fractions: divide by 100 to compare):
 acc1, mean_per_class_recall, f1_macro, worst_group_acc, worst_group_top5 (WILDS / fairness
 metadata from the webdataset's .npy), mean_recall@1 (retrieval: (i2t R@1 + t2i R@1) / 2).
 
@@ -293,7 +294,7 @@ def _open_tfds(task: dict, data_dir: str) -> tuple[str, EvalSet, list[str], list
 def classification_metrics(task: dict, pred: np.ndarray, rank: np.ndarray, labels: np.ndarray,
                            metadata: np.ndarray | None) -> dict[str, float]:
     """The task's main metric (key "main") and acc1, acc5, mean_per_class_recall."""
-    out = {"acc1": float(np.mean(rank < 1)), "acc5": float(np.mean(rank < 5)),
+    out = {"acc1": common.percent(np.mean(rank < 1)), "acc5": common.percent(np.mean(rank < 5)),
            "mean_per_class_recall": zs.mean_per_class_recall(pred, labels)}
     metric = task["metric"]
     if metric == "f1_macro":
@@ -309,15 +310,15 @@ def classification_metrics(task: dict, pred: np.ndarray, rank: np.ndarray, label
 
 
 def retrieval_metric(metrics: dict[str, float], score: str) -> float:
-    """DataComp's mean_recall@1 = (i2t R@1 + t2i R@1) / 2, as a fraction (the retrieval
-    evaluator reports %; COCO's full-set numbers are its .../5k/... ones)."""
+    """DataComp's mean_recall@1 = (i2t R@1 + t2i R@1) / 2, in % as the retrieval evaluator
+    reports R@1 (COCO's full-set numbers are its .../5k/... ones)."""
     def find(d: str) -> float:
         pat = re.compile(rf"^retrieval/[^/]+/{score}(/5k)?/{d}_R@1$")
         hits = [v for k, v in metrics.items() if pat.match(k)]
         if not hits:
             raise ValueError(f"the retrieval evaluator gave no {score} {d}_R@1")
         return hits[0]
-    return (find("i2t") + find("t2i")) / 200.0
+    return (find("i2t") + find("t2i")) / 2.0
 
 
 def averages(rows: list[dict]) -> dict[str, Any]:
@@ -358,7 +359,7 @@ class Evaluator:
             row = {k: task[k] for k in ("id", "name", "group", "metric")}
             try:
                 row.update(self._run_task(task, params, progress))
-                print(f"suite: {task['id']}: {task['metric']} {row['value']:.4f} "
+                print(f"suite: {task['id']}: {task['metric']} {row['value']:.2f}% "
                       f"({row['n']} images, {row['source']})", file=sys.stderr)
                 yield f"suite/{task['id']}/{task['metric']}", row["value"]
             except Skip as e:
@@ -436,14 +437,14 @@ def write_tables(rows: list[dict], out: str | os.PathLike, extra: dict | None = 
             lines.append(f"| {r['name']} | {r['group']} | {r['metric']} | skipped: "
                          f"{r['skipped'].replace('|', '/')} | |")
         else:
-            lines.append(f"| {r['name']} | {r['group']} | {r['metric']} | {100 * r['value']:.2f} "
+            lines.append(f"| {r['name']} | {r['group']} | {r['metric']} | {r['value']:.2f} "
                          f"| {r['n']} |")
     lines.append("")
     avg = summary["average"]
     lines.append(f"Average over {summary['num_tasks']} of {len(rows)} tasks: "
-                 + ("none ran" if avg is None else f"{100 * avg:.2f}"))
+                 + ("none ran" if avg is None else f"{avg:.2f}"))
     for g in GROUPS:
         a = summary[f"{g}/average"]
         if a is not None:
-            lines.append(f"- {g}: {100 * a:.2f} ({summary[f'{g}/num_tasks']} tasks)")
+            lines.append(f"- {g}: {a:.2f} ({summary[f'{g}/num_tasks']} tasks)")
     (out / "suite.md").write_text("\n".join(lines) + "\n")

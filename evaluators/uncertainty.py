@@ -5,21 +5,23 @@
     metrics = dict(ev.summarize(arrays)) # == dict(ev.run(params))
 
 Per-item uncertainty is tr(Sigma) = sum_d sigma_d^2 = sum_d exp(log sigma_d^2): the paper's
-sigma_v^2 / sigma_t^2 (§4.3, "tr(Sigma), namely sum_i sigma_i^2") and `common.uncertainty`.
-The sigma^2 statistics (mean, median, std) are taken over items of that sum.
+sigma_v^2 / sigma_t^2 (§4.3, "tr(Sigma), namely sum_i sigma_i^2") and `common.uncertainty`,
+named `sigma2_trace` in every metric (docs/metrics.md). The statistics (mean, median, std) are
+taken over items of that sum. Every "_rate" is a share of items in % (0-100).
 
 Metrics, yielded as "uncertainty/<name>/<metric>" (<name>: config `name`, default "demo"):
-    image_sigma2_{mean,median,std}, text_sigma2_{mean,median,std}  (text: every caption, all levels)
-    image_masked_sigma2_mean, text_masked_sigma2_mean
-    image_below_text_rate          sigma_v^2 < sigma_t^2 of the paired caption (paper Fig. 5)
-    text_sigma2_length_spearman    Spearman(sigma_t^2, caption length in tokens != pad), Fig. 6
+    image_sigma2_trace_{mean,median,std}, text_sigma2_trace_{mean,median,std}  (text: every
+                                   caption, all levels)
+    image_masked_sigma2_trace_mean, text_masked_sigma2_trace_mean
+    image_below_text_rate          % with sigma_v^2 < sigma_t^2 of the paired caption (Fig. 5)
+    text_sigma2_trace_length_spearman  Spearman(sigma_t^2, caption length in tokens != pad), Fig. 6
     inclusion_image_in_masked_rate, inclusion_text_in_masked_rate, inclusion_image_in_text_rate
-                                   fraction with H(Z1 in Z2) > 0 (eq. 4, summed over D, eps = 0
-                                   as the reference's analysis code), Z1 = original / image
+                                   % with H(Z1 in Z2) > 0 (eq. 4, summed over D, eps = 0 as the
+                                   reference's analysis code), Z1 = original / image
     with levels (caption hierarchies, level 0 most general .. K-1 most specific; Fig. 7, C.6):
-    text_sigma2_level{i}_mean
-    order_adjacent_rate            eq. C.1: fraction of adjacent pairs with tr S^i > tr S^{i+1}
-    order_monotone_rate            fraction of hierarchies strictly decreasing over all levels
+    text_sigma2_trace_level{i}_mean
+    order_adjacent_rate            eq. C.1: % of adjacent pairs with tr S^i > tr S^{i+1}
+    order_monotone_rate            % of hierarchies strictly decreasing over all levels
     order_level{i}_gt_level{j}_rate  for i < j (Fig. C.4); level0_gt_level{K-1} is the headline
 
 Masked inputs follow the training recipe (REFERENCE §2.6): images keep a random 75% of patches
@@ -37,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from evaluators.common import Encoder, parse_config, uncertainty
+from evaluators.common import Encoder, parse_config, percent, uncertainty
 from input_pipeline import eval_data
 from input_pipeline.eval_data import EvalSet
 from prolip_jax.objectives.distances import inclusion_test
@@ -109,7 +111,7 @@ def spearman(x: np.ndarray, y: np.ndarray) -> float:
 
 
 def ordering_rates(level_unc: np.ndarray) -> dict[str, float]:
-    """Hierarchy ordering of uncertainties [N, K] (level 0 most general; paper C.6).
+    """Hierarchy ordering of uncertainties [N, K] (level 0 most general; paper C.6), in %.
 
     order_adjacent_rate: eq. C.1 over every adjacent pair (i, i+1) of every hierarchy;
     order_monotone_rate: hierarchies with all K-1 adjacent pairs decreasing;
@@ -119,11 +121,11 @@ def ordering_rates(level_unc: np.ndarray) -> dict[str, float]:
     if u.ndim != 2 or u.shape[1] < 2:
         raise ValueError(f"need uncertainties [N, K >= 2], got {u.shape}")
     dec = u[:, :-1] > u[:, 1:]
-    out = {"order_adjacent_rate": float(dec.mean()), "order_monotone_rate": float(dec.all(1).mean())}
+    out = {"order_adjacent_rate": percent(dec.mean()), "order_monotone_rate": percent(dec.all(1).mean())}
     k = u.shape[1]
     for i in range(k):
         for j in range(i + 1, k):
-            out[f"order_level{i}_gt_level{j}_rate"] = float(np.mean(u[:, i] > u[:, j]))
+            out[f"order_level{i}_gt_level{j}_rate"] = percent(np.mean(u[:, i] > u[:, j]))
     return out
 
 
@@ -145,19 +147,19 @@ def summarize(arrays: Mapping[str, np.ndarray], levels: bool) -> dict[str, float
     out: dict[str, float] = {}
     img, txt = arrays["image_sigma2"], arrays["text_sigma2"]  # [N], [N, K]
     for name, v in (("image", img), ("text", txt.ravel())):
-        out[f"{name}_sigma2_mean"] = float(np.mean(v))
-        out[f"{name}_sigma2_median"] = float(np.median(v))
-        out[f"{name}_sigma2_std"] = float(np.std(v))
-    out["image_masked_sigma2_mean"] = float(np.mean(arrays["image_masked_sigma2"]))
-    out["text_masked_sigma2_mean"] = float(np.mean(arrays["text_masked_sigma2"]))
-    out["image_below_text_rate"] = float(np.mean(img < arrays["paired_text_sigma2"]))
-    out["text_sigma2_length_spearman"] = spearman(txt.ravel(), arrays["text_length"].ravel())
-    out["inclusion_image_in_masked_rate"] = float(np.mean(arrays["h_image_in_masked"] > 0))
-    out["inclusion_text_in_masked_rate"] = float(np.mean(arrays["h_text_in_masked"] > 0))
-    out["inclusion_image_in_text_rate"] = float(np.mean(arrays["h_image_in_text"] > 0))
+        out[f"{name}_sigma2_trace_mean"] = float(np.mean(v))
+        out[f"{name}_sigma2_trace_median"] = float(np.median(v))
+        out[f"{name}_sigma2_trace_std"] = float(np.std(v))
+    out["image_masked_sigma2_trace_mean"] = float(np.mean(arrays["image_masked_sigma2"]))
+    out["text_masked_sigma2_trace_mean"] = float(np.mean(arrays["text_masked_sigma2"]))
+    out["image_below_text_rate"] = percent(np.mean(img < arrays["paired_text_sigma2"]))
+    out["text_sigma2_trace_length_spearman"] = spearman(txt.ravel(), arrays["text_length"].ravel())
+    out["inclusion_image_in_masked_rate"] = percent(np.mean(arrays["h_image_in_masked"] > 0))
+    out["inclusion_text_in_masked_rate"] = percent(np.mean(arrays["h_text_in_masked"] > 0))
+    out["inclusion_image_in_text_rate"] = percent(np.mean(arrays["h_image_in_text"] > 0))
     if levels:
         for i, m in enumerate(txt.mean(0)):
-            out[f"text_sigma2_level{i}_mean"] = float(m)
+            out[f"text_sigma2_trace_level{i}_mean"] = float(m)
         out.update(ordering_rates(txt))
     return out
 

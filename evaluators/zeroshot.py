@@ -11,11 +11,12 @@ correlation with the bin index (REFERENCE §3.1 `eval_clsf_unc`), and optionally
 
 Config: the fields of `Config` below (dataset "demo" | "imagefolder" | "tfds", class names and
 templates, BPRW and prompt-selection settings, encoding knobs).
-Metrics (all accuracies are fractions in [0, 1]):
+Metrics (all accuracies in %, 0-100; docs/metrics.md):
     zeroshot/<name>/top1_dot, top5_dot, top1_csd, top5_csd
     zeroshot/<name>/unc_bin{0..9}_top1_dot, unc_bin{i}_top1_csd   (bin 0 = least uncertain)
     zeroshot/<name>/unc_corr_dot, unc_corr_csd   (Pearson r of bin index vs accuracy, in [-1, 1])
-    zeroshot/<name>/image_unc_mean, text_unc_mean
+    zeroshot/<name>/image_sigma2_trace_mean, text_sigma2_trace_mean   (mean tr(Sigma) of the images,
+    of the prompts)
     bprw/<name>/<mode>/top1_{dot,csd}_base (80-prompt ensemble), top1_{dot,csd} (re-weighted),
     bprw/<name>/<mode>/weight_max, weight_entropy, em_iterations   (<mode>: "nn", "fewshot", or
     the spec string for other settings)
@@ -174,21 +175,21 @@ def topk_correct(logits: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
 
 
 def topk_accuracy(logits: np.ndarray, labels: np.ndarray, k: int) -> float:
-    """Fraction of rows whose true label is among the k highest logits [N, C]."""
-    return float(np.mean(topk_correct(logits, labels, k)))
+    """% of rows whose true label is among the k highest logits [N, C]."""
+    return common.percent(np.mean(topk_correct(logits, labels, k)))
 
 
 # Metrics of DataComp's suite (evaluators/suite.py): `pred` = top-1 class, `labels` = truth.
 def mean_per_class_recall(pred: np.ndarray, labels: np.ndarray) -> float:
-    """Mean over the classes present in `labels` of the fraction of their images predicted
-    right (sklearn balanced_accuracy_score, as DataComp's eval_utils/wds_eval.py computes it)."""
+    """Mean over the classes present in `labels` of the % of their images predicted right
+    (sklearn balanced_accuracy_score, as DataComp's eval_utils/wds_eval.py computes it, x 100)."""
     pred, labels = np.asarray(pred), np.asarray(labels)
-    return float(np.mean([np.mean(pred[labels == c] == c) for c in np.unique(labels)]))
+    return common.percent(np.mean([np.mean(pred[labels == c] == c) for c in np.unique(labels)]))
 
 
 def macro_f1(pred: np.ndarray, labels: np.ndarray) -> float:
-    """Mean F1 over the classes present in `labels` (WILDS F1(average="macro"), DataComp's
-    iWildCam "F1-macro_all"); a class never predicted has precision 0, and F1 0 if p + r = 0."""
+    """Mean F1 (%) over the classes present in `labels` (WILDS F1(average="macro"), DataComp's
+    iWildCam "F1-macro_all", x 100); a class never predicted has precision 0, and F1 0 if p + r = 0."""
     pred, labels = np.asarray(pred), np.asarray(labels)
     f1 = []
     for c in np.unique(labels):
@@ -196,19 +197,19 @@ def macro_f1(pred: np.ndarray, labels: np.ndarray) -> float:
         p = tp / max(1, np.sum(pred == c))
         r = tp / np.sum(labels == c)
         f1.append(0.0 if p + r == 0 else 2 * p * r / (p + r))
-    return float(np.mean(f1))
+    return common.percent(np.mean(f1))
 
 
 def worst_group_accuracy(correct: np.ndarray, groups: np.ndarray, exclude: Sequence[int] = ()
                          ) -> float:
-    """Lowest mean of `correct` over the groups that have items, `exclude`d groups left out
+    """Lowest mean of `correct` (in %) over the groups that have items, `exclude`d groups left out
     (WILDS worst-group metrics: DataComp's FMoW acc_worst_region without "Other", GeoDE
     acc_wg, Dollar Street acc_top5_wg with top-5 `correct`)."""
     correct, groups = np.asarray(correct, np.float64), np.asarray(groups)
     keep = [g for g in np.unique(groups) if g not in set(exclude)]
     if not keep:
         raise ValueError("worst_group_accuracy: no group left")
-    return float(min(np.mean(correct[groups == g]) for g in keep))
+    return common.percent(min(np.mean(correct[groups == g]) for g in keep))
 
 
 def predictions(image_mu: np.ndarray, class_mu: np.ndarray, class_sigma2: np.ndarray,
@@ -225,6 +226,12 @@ def ranks(image_mu: np.ndarray, labels: np.ndarray, class_mu: np.ndarray,
     return np.concatenate([
         label_rank(zeroshot_logits(image_mu[s:s + block], class_mu, class_sigma2, kind),
                    labels[s:s + block]) for s in range(0, len(image_mu), block)] or [np.zeros(0, int)])
+
+
+def topk_accuracy_ranked(image_mu: np.ndarray, labels: np.ndarray, class_mu: np.ndarray,
+                         class_sigma2: np.ndarray, kind: str, k: int = 1) -> float:
+    """Top-k accuracy (%) from `ranks` (image blocks)."""
+    return common.percent(np.mean(ranks(image_mu, labels, class_mu, class_sigma2, kind) < k))
 
 
 # ----------------------------------------------------------------------------- data
@@ -418,22 +425,22 @@ class Evaluator:
         if not self.bprw_only:
             if not probabilistic:   # a deterministic model: mu . mu scores only
                 rank = ranks(img_mu, labels, class_mu, class_s2, "dot")
-                yield f"{pre}/top1_dot", float(np.mean(rank < 1))
-                yield f"{pre}/top5_dot", float(np.mean(rank < 5))
+                yield f"{pre}/top1_dot", common.percent(np.mean(rank < 1))
+                yield f"{pre}/top5_dot", common.percent(np.mean(rank < 5))
                 return
             unc = common.uncertainty(enc["image_logvar"])
             for kind in ("dot", "csd"):
                 rank = ranks(img_mu, labels, class_mu, class_s2, kind)
-                yield f"{pre}/top1_{kind}", float(np.mean(rank < 1))
-                yield f"{pre}/top5_{kind}", float(np.mean(rank < 5))
+                yield f"{pre}/top1_{kind}", common.percent(np.mean(rank < 1))
+                yield f"{pre}/top5_{kind}", common.percent(np.mean(rank < 5))
                 # 10 bins (fewer only for sets of < 10 images, which would leave bins empty)
                 accs, corr = common.binned_accuracy((rank < 1).astype(np.float64), unc,
                                                     bins=max(1, min(10, len(rank))))
                 for i, a in enumerate(accs):
                     yield f"{pre}/unc_bin{i}_top1_{kind}", float(a)
                 yield f"{pre}/unc_corr_{kind}", float(corr)
-            yield f"{pre}/image_unc_mean", float(unc.mean())
-            yield f"{pre}/text_unc_mean", float(common.uncertainty(enc["text_logvar"]).mean())
+            yield f"{pre}/image_sigma2_trace_mean", float(unc.mean())
+            yield f"{pre}/text_sigma2_trace_mean", float(common.uncertainty(enc["text_logvar"]).mean())
         if self.bprw and not probabilistic:
             raise ValueError("BPRW needs a probabilistic model (log sigma^2); this one is deterministic")
         for setting in self.bprw:
@@ -454,8 +461,8 @@ class Evaluator:
         img_mu, labels = enc["image_mu"], enc["label"]
         pre = f"promptsel/{self.name}/{prompt_selection.label(setting)}"
         for kind in ("dot", "csd"):
-            yield f"{pre}/top1_{kind}_base", float(np.mean(ranks(img_mu, labels, class_mu, class_s2, kind) < 1))
-            yield f"{pre}/top1_{kind}", float(np.mean(ranks(img_mu, labels, new_mu, new_s2, kind) < 1))
+            yield f"{pre}/top1_{kind}_base", topk_accuracy_ranked(img_mu, labels, class_mu, class_s2, kind)
+            yield f"{pre}/top1_{kind}", topk_accuracy_ranked(img_mu, labels, new_mu, new_s2, kind)
         yield f"{pre}/kept_mean", float(keep.sum(1).mean())
         yield f"{pre}/kept_min", float(keep.sum(1).min())
 
@@ -480,8 +487,8 @@ class Evaluator:
             keep[info["images"].ravel()] = False
             img_mu, labels = img_mu[keep], labels[keep]
         for kind in ("dot", "csd"):
-            yield f"{pre}/top1_{kind}_base", float(np.mean(ranks(img_mu, labels, class_mu, class_s2, kind) < 1))
-            yield f"{pre}/top1_{kind}", float(np.mean(ranks(img_mu, labels, new_mu, new_s2, kind) < 1))
+            yield f"{pre}/top1_{kind}_base", topk_accuracy_ranked(img_mu, labels, class_mu, class_s2, kind)
+            yield f"{pre}/top1_{kind}", topk_accuracy_ranked(img_mu, labels, new_mu, new_s2, kind)
         for key, value in prompt_reweighting.weight_stats(weights).items():
             yield f"{pre}/{key}", value
         yield f"{pre}/em_iterations", float(info["iterations"].mean())

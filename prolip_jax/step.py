@@ -54,6 +54,15 @@ def all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
+def sigma2_metrics(features: dict) -> dict[str, jax.Array]:
+    """{"sigma2_trace/image", "sigma2_trace/text"}: the batch mean of tr(Sigma) = sum_d sigma_d^2
+    (log sigma^2 [B, D] -> []); the evaluators' `..._sigma2_trace_mean` (docs/metrics.md).
+    A deterministic tower (log sigma^2 None) has no entry."""
+    # The trace, not the per-dimension mean: the paper's sigma_v^2 / sigma_t^2 are tr(Sigma) (§4.3).
+    return {f"sigma2_trace/{side}": jnp.mean(jnp.sum(jnp.exp(features[f"{side}_logvar"]), -1))
+            for side in ("image", "text") if features[f"{side}_logvar"] is not None}
+
+
 @dataclasses.dataclass(frozen=True)
 class MaskingConfig:
     """ProLIP's masked forward (`config.masking`; REFERENCE §2.6). Only objectives with
@@ -309,8 +318,7 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
         metrics = {
             "loss": loss, **{f"loss/{name}": v for name, v in terms.items()},
             "a": jnp.exp(state.params["logit_scale"]), "b": state.params["logit_bias"],
-            **{f"sigma2/{side}": jnp.mean(jnp.exp(f[f"{side}_logvar"])) for side in ("image", "text")
-               if f[f"{side}_logvar"] is not None},
+            **sigma2_metrics(f),
             "lr": schedule(_opt_count(state.opt_state)), "grad_norm": optax.tree.norm(grads),
             "nonfinite": (~finite).astype(jnp.int32),
         }

@@ -223,7 +223,7 @@ BIN_METRIC = re.compile(r"^(?P<group>.*)/unc_bin(?P<bin>\d+)_(?P<what>\w+)$")
 
 
 def binned_from_metrics(metrics: dict[str, Any]) -> dict[str, list[float]]:
-    """{"<group>/<what>": accuracies by bin} from metrics named "<group>/unc_bin<i>_<what>"."""
+    """{"<group>/<what>": accuracies (%) by bin} from metrics named "<group>/unc_bin<i>_<what>"."""
     found: dict[str, dict[int, float]] = {}
     for key, value in metrics.items():
         m = BIN_METRIC.match(key)
@@ -235,7 +235,7 @@ def binned_from_metrics(metrics: dict[str, Any]) -> dict[str, list[float]]:
 def binned_from_arrays(arrays: dict) -> list[float] | None:
     import numpy as np
 
-    if "bin_accuracy" in arrays:
+    if "bin_accuracy" in arrays:   # in %, as every evaluator's accuracies (docs/metrics.md)
         return np.asarray(arrays["bin_accuracy"], np.float64).tolist()
     if "correct" in arrays and "uncertainty" in arrays:
         from evaluators.common import binned_accuracy
@@ -250,7 +250,7 @@ def plot_binned_accuracy(series: dict[str, list[float]], path: Path, plt: Any) -
     for label, acc in series.items():
         ax.plot(range(len(acc)), acc, "o-", label=label)
     ax.set_xlabel("image uncertainty bin (0: least uncertain)")
-    ax.set_ylabel("accuracy")
+    ax.set_ylabel("accuracy (%)")
     ax.legend(fontsize=7)
     return _save(fig, path, plt)
 

@@ -7,8 +7,9 @@
         --csv hierarcaps_test.csv --image_dir val2014 --tokenizer_path TOK --out DIR
 
 Writes DIR/index.html (the --top most and least uncertain images and captions, thumbnails in
-DIR/images/), DIR/ranking.json (the rankings and every item's sigma^2) and DIR/ellipses.png (PCA
-of --samples draws of the first --ellipses images and their captions, with 2-sigma ellipses).
+DIR/images/), DIR/ranking.json (the rankings and every item's tr(Sigma), "image_sigma2_trace" /
+"text_sigma2_trace") and DIR/ellipses.png (PCA of --samples draws of the first --ellipses
+images and their captions, with 2-sigma ellipses).
 CKPT: a prolip_jax checkpoint directory or a Hugging Face folder (prolip_jax.load).
 """
 from __future__ import annotations

@@ -16,7 +16,7 @@ from prolip_jax.models.prolip import count_params
 from prolip_jax.window import Window, reduction
 from test_train import tiny_config
 
-KEYS = ("loss", "loss/ppcl", "a", "sigma2/image", "lr", "grad_norm", "nonfinite")
+KEYS = ("loss", "loss/ppcl", "a", "sigma2_trace/image", "lr", "grad_norm", "nonfinite")
 
 
 def fake_steps(n: int, seed: int) -> list[dict[str, np.ndarray]]:
@@ -112,7 +112,7 @@ def test_trainer_logs_window_values_writes_parameter_table_and_trace(tmp_path, m
 
     rows = {r["step"]: r for r in read_jsonl(str(tmp_path / "w" / "metrics.jsonl"))}
     assert sorted(rows) == [2, 3] and len(per_step) == 3
-    assert {"loss", "grad_norm", "nonfinite", "lr", "sigma2/image"} <= set(per_step[0])
+    assert {"loss", "grad_norm", "nonfinite", "lr", "sigma2_trace/image"} <= set(per_step[0])
     for step, window in ((2, per_step[:2]), (3, per_step[2:])):
         for key, value in expected(window).items():
             assert rows[step][key] == pytest.approx(value, rel=1e-6), (step, key)

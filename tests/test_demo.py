@@ -36,10 +36,10 @@ def _run_demo(workdir: Path, cache: Path) -> subprocess.CompletedProcess:
 
 def test_summary_reports_missed_targets():
     demo = _demo_module()
-    results = {demo.Z: 0.9, "retrieval/demo/csd/i2t_R@1": 60.0, "retrieval/demo/csd/t2i_R@1": 40.0,
-               "uncertainty/demo/text_sigma2_mean": 2.0, "uncertainty/demo/image_sigma2_mean": 1.0,
-               "uncertainty/demo/order_level0_gt_level3_rate": 0.95,
-               "uncertainty/demo/inclusion_image_in_masked_rate": 1.0}
+    results = {demo.Z: 90.0, "retrieval/demo/csd/i2t_R@1": 60.0, "retrieval/demo/csd/t2i_R@1": 40.0,
+               "uncertainty/demo/text_sigma2_trace_mean": 2.0, "uncertainty/demo/image_sigma2_trace_mean": 1.0,
+               "uncertainty/demo/order_level0_gt_level3_rate": 95.0,
+               "uncertainty/demo/inclusion_image_in_masked_rate": 100.0}
     lines, ok = demo.summarize(results, demo.TARGETS)
     assert not ok
     by_label = {line.split(" | ")[0][2:]: line for line in lines[2:]}
@@ -53,18 +53,18 @@ def test_summary_reports_missed_targets():
     assert [line for line in lines if "MISSED (known: why)" in line][0].startswith("| level 0 more uncertain")
     assert "40.0% | >= 50% MISSED |" in " ".join(lines)
     results["retrieval/demo/csd/t2i_R@1"] = 55.0
-    results["uncertainty/demo/inclusion_text_in_masked_rate"] = 0.8
+    results["uncertainty/demo/inclusion_text_in_masked_rate"] = 80.0
     assert demo.summarize(results, demo.TARGETS)[1]
 
 
 def test_smoke_targets_fail_at_chance():
     """The smoke thresholds are above what a model that learned nothing gets."""
     demo = _demo_module()
-    chance = {demo.Z: 1 / 36, "retrieval/demo/csd/i2t_R@10": 2.0, "retrieval/demo/csd/t2i_R@10": 2.0,
-              "uncertainty/demo/text_sigma2_mean": 1.0, "uncertainty/demo/image_sigma2_mean": 1.0,
-              "uncertainty/demo/order_level0_gt_level3_rate": 0.5,
-              "uncertainty/demo/inclusion_image_in_masked_rate": 0.5,
-              "uncertainty/demo/inclusion_text_in_masked_rate": 0.5}
+    chance = {demo.Z: 100 / 36, "retrieval/demo/csd/i2t_R@10": 2.0, "retrieval/demo/csd/t2i_R@10": 2.0,
+              "uncertainty/demo/text_sigma2_trace_mean": 1.0, "uncertainty/demo/image_sigma2_trace_mean": 1.0,
+              "uncertainty/demo/order_level0_gt_level3_rate": 50.0,
+              "uncertainty/demo/inclusion_image_in_masked_rate": 50.0,
+              "uncertainty/demo/inclusion_text_in_masked_rate": 50.0}
     lines, ok = demo.summarize(chance, demo.SMOKE_TARGETS)
     assert not ok
     checked = [t for t in demo.SMOKE_TARGETS if t[2] > 0]  # the rest are reported only

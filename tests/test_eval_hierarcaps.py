@@ -163,7 +163,7 @@ def test_evaluator_by_hand_and_end_to_end(micro, tmp_path):
         assert got == pytest.approx(values), root
     assert [m[f"{p}/null/level{i}_recall"] for i in range(4)] == pytest.approx([50, 50, 50, 100])
     assert m[f"{p}/null/num_predictions"] == 3.0
-    assert m[f"{p}/text_sigma2_level0_mean"] == pytest.approx(2 * np.exp(-5.0), rel=1e-5)
+    assert m[f"{p}/text_sigma2_trace_level0_mean"] == pytest.approx(2 * np.exp(-5.0), rel=1e-5)
     assert m[f"{p}/order_level1_gt_level2_rate"] == 0.0    # equal sigma^2: not ordered
     np.testing.assert_array_equal(ev.arrays["root_inclusion"], [0, 4])
     # end to end with a micro model: every number in range, defaults pick the two roots

@@ -42,7 +42,7 @@ def test_write_html_order_and_files(tmp_path):
     for i in (0, 1, 2):
         assert (tmp_path / "images" / f"img_{i:06d}.png").is_file()
     saved = json.loads((tmp_path / "ranking.json").read_text())
-    assert saved["text_sigma2"][2] == pytest.approx(4.0)
+    assert saved["text_sigma2_trace"][2] == pytest.approx(4.0)
     # CSD of caption 1 with image 1: ||e1 - e1||^2 + 4 e^-1 + 4 e^-6
     assert I.pair_csd(enc, data.caption_record)[1] == pytest.approx(4 * np.exp(-1) + 4 * np.exp(-6))
 

@@ -12,14 +12,14 @@ from evaluators import modality_gap as MG
 
 def test_gap_of_two_cones():
     """Images all along e1 and captions all along e2: the centroids are e1 and e2 (gap sqrt 2),
-    matched pairs are orthogonal; sigma^2 is averaged per dimension."""
+    matched pairs are orthogonal; sigma^2 is tr(Sigma) = 3 x 0.5 per item, averaged over items."""
     v = np.tile([1.0, 0.0, 0.0], (4, 1))
     t = np.tile([0.0, 1.0, 0.0], (8, 1))
     lv = np.log(np.full((4, 3), 0.5))
     got = MG.gap_metrics(v, lv, t, None, np.repeat(np.arange(4), 2))
     assert got["gap"] == pytest.approx(np.sqrt(2.0))
     assert got["matched_cosine"] == pytest.approx(0.0) and got["mismatched_cosine"] == pytest.approx(0.0)
-    assert got["image_sigma2_dim_mean"] == pytest.approx(0.5) and "text_sigma2_dim_mean" not in got
+    assert got["image_sigma2_trace_mean"] == pytest.approx(1.5) and "text_sigma2_trace_mean" not in got
     same = MG.gap_metrics(v, None, v[np.repeat(np.arange(4), 2)], None, np.repeat(np.arange(4), 2))
     assert same["gap"] == pytest.approx(0.0) and same["matched_cosine"] == pytest.approx(1.0)
 
@@ -55,7 +55,8 @@ def test_end_to_end_on_the_demo_set(tmp_path):
     assert len(v) == 20 and list(cap_img) == list(range(20))
     want = {"gap": np.linalg.norm(v.mean(0) - t.mean(0)),
             "matched_cosine": np.mean(np.sum(v * t, axis=1)),
-            "image_sigma2_dim_mean": np.exp(v_lv).mean(), "text_sigma2_dim_mean": np.exp(t_lv).mean()}
+            "image_sigma2_trace_mean": np.exp(v_lv).sum(1).mean(),
+            "text_sigma2_trace_mean": np.exp(t_lv).sum(1).mean()}
     assert set(got) == {f"modality_gap/demo/{k}" for k in [*want, "mismatched_cosine"]}
     for key, value in want.items():
         assert got[f"modality_gap/demo/{key}"] == pytest.approx(value, rel=1e-4), key

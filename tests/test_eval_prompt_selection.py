@@ -66,6 +66,6 @@ def test_zeroshot_prompt_select_fixes_a_hand_made_case(monkeypatch):
     for label in ("topk_1", "sigma_filter_0"):   # sigma_filter: class 0 mean -> keeps 90 deg only
         p = f"promptsel/toy/{label}"
         for kind in ("dot", "csd"):
-            assert res[f"{p}/top1_{kind}_base"] == 0.0 and res[f"{p}/top1_{kind}"] == 1.0, (p, kind)
+            assert res[f"{p}/top1_{kind}_base"] == 0.0 and res[f"{p}/top1_{kind}"] == 100.0, (p, kind)
         assert res[f"{p}/kept_mean"] == 1.5 and res[f"{p}/kept_min"] == 1.0   # class 1: ties kept
     assert len(res) == 12

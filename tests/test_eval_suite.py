@@ -52,18 +52,18 @@ def test_task_table_matches_datacomp():
 def test_metrics_by_hand():
     labels = np.array([0, 0, 0, 0, 1, 1, 2])
     pred = np.array([0, 0, 0, 1, 1, 0, 1])
-    # recall: class 0 3/4, class 1 1/2, class 2 0/1 -> (0.75 + 0.5 + 0) / 3
-    assert zs.mean_per_class_recall(pred, labels) == pytest.approx(1.25 / 3)
+    # recall: class 0 3/4, class 1 1/2, class 2 0/1 -> (0.75 + 0.5 + 0) / 3, in %
+    assert zs.mean_per_class_recall(pred, labels) == pytest.approx(100 * 1.25 / 3)
     # F1: class 0 p=3/4 r=3/4 -> .75; class 1 p=1/3 r=1/2 -> 0.4; class 2 p=0 r=0 -> 0
-    assert zs.macro_f1(pred, labels) == pytest.approx((0.75 + 0.4 + 0) / 3)
+    assert zs.macro_f1(pred, labels) == pytest.approx(100 * (0.75 + 0.4 + 0) / 3)
     correct = pred == labels
     groups = np.array([0, 0, 1, 1, 1, 2, 2])   # group accs 1, 2/3, 0
     assert zs.worst_group_accuracy(correct, groups) == 0.0
-    assert zs.worst_group_accuracy(correct, groups, exclude=[2]) == pytest.approx(2 / 3)
+    assert zs.worst_group_accuracy(correct, groups, exclude=[2]) == pytest.approx(100 * 2 / 3)
     m = {"retrieval/x/csd/i2t_R@1": 50.0, "retrieval/x/csd/t2i_R@1": 30.0, "retrieval/x/csd/i2t_R@5": 99.0}
-    assert suite.retrieval_metric(m, "csd") == pytest.approx(0.4)
+    assert suite.retrieval_metric(m, "csd") == pytest.approx(40.0)
     assert suite.retrieval_metric({"retrieval/c/csd/5k/i2t_R@1": 10.0, "retrieval/c/csd/5k/t2i_R@1": 20.0,
-                                   "retrieval/c/csd/1k/i2t_R@1": 90.0}, "csd") == pytest.approx(0.15)
+                                   "retrieval/c/csd/1k/i2t_R@1": 90.0}, "csd") == pytest.approx(15.0)
     rows = [dict(group="vtab", value=0.5), dict(group="vtab", value=0.25),
             dict(group="imagenet", value=0.9), dict(group="other", value=None, skipped="no data")]
     avg = suite.averages(rows)
@@ -163,7 +163,7 @@ def test_suite_end_to_end(micro, data_dir, tmp_path, capsys):
     assert rows["pets"]["num_templates"] == 2 and rows["pets"]["metric"] == "mean_per_class_recall"
     assert rows["fmow"]["metric"] == "worst_group_acc" and rows["flickr30k"]["source"] == "karpathy"
     for k in ran:
-        assert 0 <= rows[k]["value"] <= 1 and metrics[f"suite/{k}/{rows[k]['metric']}"] == rows[k]["value"]
+        assert 0 <= rows[k]["value"] <= 100 and metrics[f"suite/{k}/{rows[k]['metric']}"] == rows[k]["value"]
     assert "label set mismatch: 3 class folders" in rows["mnist"]["skipped"]
     assert "label set mismatch: labels span 5..5" in rows["gtsrb"]["skipped"]
     assert rows["objectnet"]["skipped"].startswith("missing class-name file")

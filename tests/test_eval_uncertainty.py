@@ -41,12 +41,12 @@ def test_ordering_rates_by_hand_with_ties():
     u = np.array([[4.0, 3.0, 2.0, 1.0],    # fully decreasing: 3/3 adjacent, monotone
                   [4.0, 4.0, 2.0, 1.0],    # a tie between levels 0 and 1 is not "decreasing"
                   [1.0, 2.0, 3.0, 0.5]])   # increasing, then decreasing at the end
-    r = unc.ordering_rates(u)
-    assert r["order_adjacent_rate"] == pytest.approx((3 + 2 + 1) / 9)
-    assert r["order_monotone_rate"] == pytest.approx(1 / 3)
-    assert r["order_level0_gt_level3_rate"] == pytest.approx(1.0)
-    assert r["order_level0_gt_level1_rate"] == pytest.approx(1 / 3)
-    assert r["order_level1_gt_level2_rate"] == pytest.approx(2 / 3)
+    r = unc.ordering_rates(u)   # in %
+    assert r["order_adjacent_rate"] == pytest.approx(100 * (3 + 2 + 1) / 9)
+    assert r["order_monotone_rate"] == pytest.approx(100 * 1 / 3)
+    assert r["order_level0_gt_level3_rate"] == pytest.approx(100 * 1.0)
+    assert r["order_level0_gt_level1_rate"] == pytest.approx(100 * 1 / 3)
+    assert r["order_level1_gt_level2_rate"] == pytest.approx(100 * 2 / 3)
     assert len([k for k in r if k.startswith("order_level")]) == 6
     with pytest.raises(ValueError):
         unc.ordering_rates(np.ones((3, 1)))
@@ -94,18 +94,18 @@ def test_summarize_rates_from_arrays():
         "h_image_in_text": np.array([-1.0, -1.0, -1.0, 3.0]),
     }
     m = unc.summarize(arrays, levels=True)
-    assert m["image_sigma2_mean"] == pytest.approx(2.5)
-    assert m["image_sigma2_median"] == pytest.approx(2.5)
-    assert m["image_sigma2_std"] == pytest.approx(np.sqrt(1.25))
-    assert m["text_sigma2_mean"] == pytest.approx(4.5)
-    assert m["image_below_text_rate"] == pytest.approx(0.25)     # only 3 < 7 (ties are not "below")
-    assert m["inclusion_image_in_masked_rate"] == pytest.approx(0.5)   # 0 is not > 0
-    assert m["inclusion_text_in_masked_rate"] == pytest.approx(5 / 8)
-    assert m["inclusion_image_in_text_rate"] == pytest.approx(0.25)
-    assert m["order_adjacent_rate"] == pytest.approx(0.75)
-    assert m["text_sigma2_level0_mean"] == pytest.approx(5.75)
+    assert m["image_sigma2_trace_mean"] == pytest.approx(2.5)
+    assert m["image_sigma2_trace_median"] == pytest.approx(2.5)
+    assert m["image_sigma2_trace_std"] == pytest.approx(np.sqrt(1.25))
+    assert m["text_sigma2_trace_mean"] == pytest.approx(4.5)
+    assert m["image_below_text_rate"] == pytest.approx(25.0)     # only 3 < 7 (ties are not "below")
+    assert m["inclusion_image_in_masked_rate"] == pytest.approx(50.0)   # 0 is not > 0
+    assert m["inclusion_text_in_masked_rate"] == pytest.approx(100 * 5 / 8)
+    assert m["inclusion_image_in_text_rate"] == pytest.approx(25.0)
+    assert m["order_adjacent_rate"] == pytest.approx(75.0)
+    assert m["text_sigma2_trace_level0_mean"] == pytest.approx(5.75)
     # sigma^2 ranks [4,1,5,2,6,7,8,3] vs length ranks 2.5 / 6.5: cov -20, var 42 and 32
-    assert m["text_sigma2_length_spearman"] == pytest.approx(-20 / np.sqrt(42 * 32))
+    assert m["text_sigma2_trace_length_spearman"] == pytest.approx(-20 / np.sqrt(42 * 32))
     assert "order_adjacent_rate" not in unc.summarize(arrays, levels=False)
 
 
@@ -156,9 +156,9 @@ def test_evaluator_on_demo_levels(micro, demo_eval):
     assert len(metrics) == 6 + 2 + 1 + 1 + 3 + 4 + 2 + 6  # stats, masked, below, rho, rates, levels, order
     for key in ("inclusion_image_in_masked_rate", "inclusion_text_in_masked_rate",
                 "inclusion_image_in_text_rate", "order_adjacent_rate", "order_level0_gt_level3_rate"):
-        assert 0.0 <= metrics[f"uncertainty/demo/{key}"] <= 1.0
+        assert 0.0 <= metrics[f"uncertainty/demo/{key}"] <= 100.0
     rate = metrics["uncertainty/demo/inclusion_image_in_text_rate"]
-    assert rate == np.mean(arrays["h_image_in_text"] > 0)
+    assert rate == 100 * np.mean(arrays["h_image_in_text"] > 0)
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['bogus'\]"):
         unc.Evaluator(dict(dataset="demo", bogus=1), model)
 
@@ -176,18 +176,18 @@ def test_evaluate_script_on_converted_checkpoint(micro, demo_dir, demo_eval, tmp
     results = json.loads((out / "results.json").read_text())
     assert results["throughput/images_per_second"] > 0
     assert results["uncertainty/seconds"] > 0
-    assert 3e-4 < results["uncertainty/demo/image_sigma2_mean"] < 1e-2
+    assert 3e-4 < results["uncertainty/demo/image_sigma2_trace_mean"] < 1e-2
     assert set(results) >= {f"uncertainty/demo/{k}" for k in (
-        "text_sigma2_mean", "text_sigma2_length_spearman", "inclusion_image_in_masked_rate",
+        "text_sigma2_trace_mean", "text_sigma2_trace_length_spearman", "inclusion_image_in_masked_rate",
         "inclusion_text_in_masked_rate", "inclusion_image_in_text_rate", "order_adjacent_rate",
         "order_monotone_rate", "order_level0_gt_level3_rate")}
     # Same weights, same data, same seed as the in-process evaluator: identical numbers.
     direct = dict(demo_eval[0].summarize(demo_eval[1]))
     assert results["uncertainty/demo/order_adjacent_rate"] == direct["uncertainty/demo/order_adjacent_rate"]
-    assert results["uncertainty/demo/text_sigma2_mean"] == pytest.approx(
-        direct["uncertainty/demo/text_sigma2_mean"], rel=1e-5)
+    assert results["uncertainty/demo/text_sigma2_trace_mean"] == pytest.approx(
+        direct["uncertainty/demo/text_sigma2_trace_mean"], rel=1e-5)
     # The other evaluators of the demo config ran too (their own tests check their values).
-    assert 0 <= results["zeroshot/object/top1_csd"] <= 1
+    assert 0 <= results["zeroshot/object/top1_csd"] <= 100
     assert 0 <= results["retrieval/demo/csd/rsum"] <= 600
     for png in ("uncertainty_sigma2_hist", "uncertainty_sigma2_vs_length",
                 "uncertainty_sigma2_by_level", "zeroshot_accuracy_by_uncertainty"):

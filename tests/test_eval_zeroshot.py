@@ -50,11 +50,11 @@ def test_topk_by_hand():
     logits = np.array([[3., 1, 2, 0], [0, 1, 2, 3], [1, 1, 1, 1]])
     labels = np.array([2, 0, 3])
     assert zs.topk_accuracy(logits, labels, 1) == 0
-    assert zs.topk_accuracy(logits, labels, 2) == pytest.approx(1 / 3)   # row 0 (rank 1)
+    assert zs.topk_accuracy(logits, labels, 2) == pytest.approx(100 / 3)   # row 0 (rank 1), in %
     # row 1 has rank 3; the tied row 2 ranks label 3 last (stable order), so it is not rewarded
     np.testing.assert_array_equal(zs.label_rank(logits, labels), [1, 3, 3])
-    assert zs.topk_accuracy(logits, labels, 4) == 1.0
-    assert zs.topk_accuracy(logits, np.array([0, 3, 0]), 1) == 1.0
+    assert zs.topk_accuracy(logits, labels, 4) == 100.0
+    assert zs.topk_accuracy(logits, np.array([0, 3, 0]), 1) == 100.0
 
 
 def test_csd_and_dot_disagree():
@@ -65,7 +65,7 @@ def test_csd_and_dot_disagree():
     csd = zs.zeroshot_logits(img, cmu, cs2, "csd")
     np.testing.assert_allclose(dot, [[80, 60]])
     np.testing.assert_allclose(csd, [[80 - 50 * 0.6, 60 - 50 * 0.1]])   # 50 vs 55
-    assert zs.topk_accuracy(dot, np.array([0]), 1) == 1 and zs.topk_accuracy(csd, np.array([1]), 1) == 1
+    assert zs.topk_accuracy(dot, np.array([0]), 1) == 100 and zs.topk_accuracy(csd, np.array([1]), 1) == 100
     # for unit mu the csd rule ranks exactly like -CSD = -(|mu_i - mu_c|^2 + tr S_i + tr S_c)
     full = -np.stack([((img[0] - c) ** 2).sum() + 0.7 + s.sum() for c, s in zip(cmu, cs2)])
     assert np.argmax(full) == np.argmax(csd[0]) == 1
@@ -75,7 +75,7 @@ def test_binned_accuracy_by_hand():
     unc = np.arange(20.0)[::-1]                   # item 19 is the least uncertain
     correct = (np.arange(20) >= 10).astype(float)  # the 10 least uncertain are right
     accs, corr = common.binned_accuracy(correct, unc, bins=10)
-    np.testing.assert_allclose(accs, [1] * 5 + [0] * 5)
+    np.testing.assert_allclose(accs, [100] * 5 + [0] * 5)   # in %
     # Pearson r of bin index 0..9 against the step 1,1,1,1,1,0,0,0,0,0:
     # S_xy = 0.5 * (-12.5) - 0.5 * 12.5 = -12.5, S_xx = 82.5, S_yy = 2.5
     assert corr == pytest.approx(-12.5 / np.sqrt(82.5 * 2.5))
@@ -209,24 +209,24 @@ def test_evaluator_on_demo(micro, tmp_path_factory):
     results = dict(ev.run(params))
     for kind in ("dot", "csd"):
         for k in ("top1", "top5"):
-            assert 0 <= results[f"zeroshot/object/{k}_{kind}"] <= 1
+            assert 0 <= results[f"zeroshot/object/{k}_{kind}"] <= 100
         assert results[f"zeroshot/object/top1_{kind}"] <= results[f"zeroshot/object/top5_{kind}"]
         bins = [results[f"zeroshot/object/unc_bin{i}_top1_{kind}"] for i in range(10)]
-        assert all(0 <= b <= 1 for b in bins)
+        assert all(0 <= b <= 100 for b in bins)
         sizes = [8] * 2 + [7] * 8   # 72 images in 10 equal-count bins
         assert np.dot(bins, sizes) / 72 == pytest.approx(results[f"zeroshot/object/top1_{kind}"])
         assert -1 <= results[f"zeroshot/object/unc_corr_{kind}"] <= 1
         for mode in ("nn", "fewshot"):
-            assert 0 <= results[f"bprw/object/{mode}/top1_{kind}"] <= 1
+            assert 0 <= results[f"bprw/object/{mode}/top1_{kind}"] <= 100
             # the base is the plain ensemble: the same number as the zero-shot metric
             assert results[f"bprw/object/{mode}/top1_{kind}_base"] == results[f"zeroshot/object/top1_{kind}"]
-    assert results["zeroshot/object/image_unc_mean"] > 0
+    assert results["zeroshot/object/image_sigma2_trace_mean"] > 0
     # recompute top-1 from the raw encodings by hand
     enc = ev.encode(params)
     assert enc["text_mu"].shape == (36 * 4, 32) and enc["image_mu"].shape == (72, 32)
     cmu, cs2 = zs.class_embeddings(enc["text_mu"], enc["text_logvar"], 36, 4)
     logits = 100 * enc["image_mu"] @ cmu.T - 50 * cs2.sum(-1)
-    assert results["zeroshot/object/top1_csd"] == pytest.approx(np.mean(logits.argmax(1) == enc["label"]))
+    assert results["zeroshot/object/top1_csd"] == pytest.approx(100 * np.mean(logits.argmax(1) == enc["label"]))
     w = np.load(out / "bprw_object_fewshot.npy")
     assert w.shape == (36, 4)
     np.testing.assert_allclose(w.sum(1), 1.0, atol=1e-5)
@@ -245,7 +245,7 @@ def test_evaluator_on_demo(micro, tmp_path_factory):
                                enc["label"], np.random.default_rng(0))
     keep = np.setdiff1d(np.arange(72), support.ravel())
     assert len(keep) == 36
-    base = np.mean(logits[keep].argmax(1) == enc["label"][keep])
+    base = 100 * np.mean(logits[keep].argmax(1) == enc["label"][keep])
     assert ex["bprw/object/2-1-1-5-0.02-inverse-gt/top1_csd_base"] == pytest.approx(base)
 
 
@@ -275,10 +275,10 @@ def test_imagefolder(micro, tmp_path):
     assert [b["image"].shape for b in src] == [(4, 16, 16, 3)] * 2 and src[0]["image"].dtype == np.uint8
     assert [b["mask"].sum() for b in src] == [4, 2] and src[1]["index"].tolist() == [4, 5, -1, -1]
     results = dict(ev.run(params))
-    assert 0 <= results["zeroshot/folder/top1_dot"] <= 1 and results["zeroshot/folder/top5_csd"] == 1.0
-    # 6 images: 6 bins of one image each, so every bin accuracy is 0 or 1 (no empty bins)
+    assert 0 <= results["zeroshot/folder/top1_dot"] <= 100 and results["zeroshot/folder/top5_csd"] == 100.0
+    # 6 images: 6 bins of one image each, so every bin accuracy is 0 or 100 (no empty bins)
     bins = [results[f"zeroshot/folder/unc_bin{i}_top1_dot"] for i in range(6)]
-    assert set(bins) <= {0.0, 1.0} and "zeroshot/folder/unc_bin6_top1_dot" not in results
+    assert set(bins) <= {0.0, 100.0} and "zeroshot/folder/unc_bin6_top1_dot" not in results
     assert np.mean(bins) == pytest.approx(results["zeroshot/folder/top1_dot"])
     with pytest.raises(FileNotFoundError, match="does not exist"):
         zs.Evaluator(dict(config, root=str(tmp_path / "nope")), model, tokenizer=tok)

@@ -84,7 +84,7 @@ def test_metrics_contents(runs):
     tmp, straight, *_ = runs
     rows = read_jsonl(str(tmp / "straight" / "metrics.jsonl"))
     for key in ("loss", "loss/ppcl", "loss/img_inclusion", "loss/txt_inclusion", "loss/inclusion", "loss/vib",
-                "a", "b", "sigma2/image", "sigma2/text", "lr", "grad_norm", "step_time_s", "samples_per_s",
+                "a", "b", "sigma2_trace/image", "sigma2_trace/text", "lr", "grad_norm", "step_time_s", "samples_per_s",
                 "samples_per_s_per_device", "tflops_per_device", "skipped_updates", "data/skipped"):
         assert key in rows[-1], key
     assert rows[0]["lr"] == pytest.approx(1e-3 / 20)  # warm-up: lr * (0 + 1) / 20
