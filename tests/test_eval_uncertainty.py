@@ -198,4 +198,4 @@ def test_evaluate_script_on_converted_checkpoint(micro, demo_dir, demo_eval, tmp
     bad.write_text("import ml_collections as m\ndef get_config(arg=None):\n    c = m.ConfigDict()\n"
                    "    c.evals = m.ConfigDict(dict(x=dict(type='no_such_eval')))\n    return c\n")
     with pytest.raises(SystemExit, match=r"x: unknown evaluator type 'no_such_eval'; registered: \[.*'zeroshot'"):
-        evaluate.main(["--checkpoint", str(ckpt), "--config", str(bad), "--out", str(out)])
+        evaluate.main(["--checkpoint", str(ckpt), "--config", str(bad), "--out", str(tmp_path / "eval_bad")])
