@@ -96,6 +96,15 @@ class PretrainedProLIP:
         return np.asarray(ppcl_logits(img_mu, none(img_mu, img_logvar), txt_mu, none(txt_mu, txt_logvar),
                                       self.scale, self.logit_bias))
 
+    @staticmethod
+    def uncertainty(embedding: tuple[Any, Any]) -> np.ndarray | None:
+        """[N] the uncertainty of N encoded inputs ((mu, log sigma^2) of `encode_image` /
+        `encode_text`): tr(S) = sum_d sigma_d^2, the paper's sigma^2 ("Probabilistic
+        Language-Image Pre-Training", §4.3) and the evaluators' `sigma2_trace` (docs/metrics.md).
+        None for a deterministic model."""
+        logvar = embedding[1]
+        return None if logvar is None else np.exp(np.asarray(logvar, np.float64)).sum(-1).astype(np.float32)
+
     def zero_shot(self, image: tuple[Any, Any], classnames: Sequence[str],
                   templates: Sequence[str] = ("a photo of a {}.",)) -> np.ndarray:
         """Class probabilities [N, C] of N encoded images ((mu, log sigma^2) of `encode_image`):

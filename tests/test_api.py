@@ -86,6 +86,8 @@ def test_similarity_and_zero_shot_against_float64(hf_dir, golden):
     want = np.exp(logits - logits.max(-1, keepdims=True))
     want /= want.sum(-1, keepdims=True)
     assert probs.shape == (6, 3) and np.abs(probs - want).max() <= 1e-5
+    np.testing.assert_allclose(model.uncertainty(image), np.exp(vl).sum(1), rtol=1e-6)
+    assert model.uncertainty((vm, None)) is None
     with pytest.raises(ValueError, match="classnames must be a non-empty list"):
         model.zero_shot(image, "cat")
     with pytest.raises(ValueError, match="pairs of one width"):
