@@ -11,7 +11,7 @@ Two kinds of ambiguous inputs are mixed into training, 10% of the batch each:
   * blank images (grey noise, no colour or pattern) paired with a random class's caption: an
     image that cannot say which caption is its own;
   * colour-only captions [colour] paired with an image of that colour: a caption true of four
-    classes (the multiplicity of paper 002 §1, PCME++'s ambiguity, seed 003 §1).
+    classes (the multiplicity of the ProLIP paper §1, PCME++'s ambiguity, §1).
 The probabilistic papers expect these to get larger σ² than the clear ones.
 
 Each objective trains the `micro` towers (16 px, patch 8, width 32, one block per tower, ProLIP's

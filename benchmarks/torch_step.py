@@ -4,7 +4,7 @@ The model is tests/torch_reference.py's `TorchProLIP` (the reference forward, mo
 the reference's state_dict keys, so `convert.flax_to_torch` weights load with strict keys); its
 `nn.MultiheadAttention(need_weights=False)` runs `F.scaled_dot_product_attention`, as open_clip
 calls it. One step is naver-ai/prolip's (src/prolip_train/train.py, src/prolip/loss.py
-`ProLIPLoss`, REFERENCE §2): the full forward, the masked forward on the masked rows (text tokens
+`ProLIPLoss`, naver-ai/prolip src/prolip/loss.py): the full forward, the masked forward on the masked rows (text tokens
 other than the protected ids -> [MASK] with prob p, one sorted random subset of patches shared
 by the sub-batch), PPCL + original-in-masked and image-in-text inclusion + VIB, backward,
 `torch.optim.AdamW` (no decay for ndim < 2 or names with bn/ln/bias/logit_scale, as main.py),
@@ -65,7 +65,7 @@ def build_model(model_cfg: Any, params: Any = None) -> "TorchProLIP":
 
 # ------------------------------------------------------------------------------- the loss
 def ppcl_loss(im, il, tm, tl, scale, bias):
-    """-sum log sigmoid(z * logits) / B, z = 2I - 1 (src/prolip/loss.py, REFERENCE §2.2)."""
+    """-sum log sigmoid(z * logits) / B, z = 2I - 1 (naver-ai/prolip src/prolip/loss.py)."""
     trace = il.exp().sum(-1)[:, None] + tl.exp().sum(-1)[None, :]
     logits = scale * (im @ tm.T - trace / 2) + bias
     labels = 2 * torch.eye(im.shape[0], tm.shape[0], device=im.device, dtype=logits.dtype) - 1
@@ -81,14 +81,14 @@ def _inc(mu1, l1, mu2, l2, eps):
 
 
 def inclusion_loss(mu1, l1, mu2, l2, eps, scale, threshold):
-    """The reference's elementwise inclusion loss as coded (REFERENCE §2.4), mean over B x D."""
+    """The reference's elementwise inclusion loss as coded (naver-ai/prolip src/prolip/loss.py), mean over B x D."""
     h = _inc(mu1, l1, mu2, l2, eps) - _inc(mu2, l2, mu1, l1, eps)
     loss = -F.logsigmoid(scale * h).mean()
     return torch.where(loss.abs() > threshold, torch.zeros_like(loss), loss)
 
 
 def vib_loss(mu, logvar, form, threshold):
-    """REFERENCE §2.5: 'reference' uses log sigma = logvar / 2 (the code's form), 'kl' eq. A.2."""
+    """naver-ai/prolip src/prolip/loss.py: 'reference' uses log sigma = logvar / 2 (the code's form), 'kl' eq. A.2."""
     x = logvar / 2 if form == "reference" else logvar
     kl = -0.5 * (1 + x - mu ** 2 - x.exp()).mean()
     return torch.where(kl > threshold, torch.zeros_like(kl), kl)

@@ -1,4 +1,4 @@
-r"""The paper's recipe: ProLIP on DataComp-1B (§4.1, App. B.1; REFERENCE §5).
+r"""The paper's recipe: ProLIP on DataComp-1B (§4.1, App. B.1; naver-ai/prolip scripts/*.sh and src/prolip_train/params.py).
 
 Paper: "Probabilistic Language-Image Pre-Training" (Chun et al.; "ProLIP").
 

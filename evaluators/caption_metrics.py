@@ -4,7 +4,7 @@ All of them rank with evaluators.ranks' tie rule (a stable descending argsort: a
 score at a lower gallery index ranks first) and reuse its R-Precision; they run on the score
 blocks of `retrieval.blocked_ranks` (`extras=`), so no [Q, M] matrix is ever whole.
 
-PMRP -- Plausible-Match R-Precision (PCME; Pishdad et al., seed 001 §4.3; DAA, seed 004
+PMRP -- Plausible-Match R-Precision (PCME; Pishdad et al. §4.3; DAA
   §5.1.2). Every COCO image, and each of its captions, has a binary vector of the COCO object
   categories present (`evaluators.retrieval_data.coco_category_codes`: the 90 category-id slots
   `code[category_id - 1]`, as PCME's evaluate_pmrp_coco.py and DAA's code build them; the 10
@@ -17,7 +17,7 @@ PMRP -- Plausible-Match R-Precision (PCME; Pishdad et al., seed 001 §4.3; DAA, 
   with an all-zero vector (then they match each other at zeta = 0). The query's own image /
   captions are positives (distance 0), as in PCME's script.
 
-ASP -- Average Semantic Precision (DAA, seed 004 §4.1, Eq. 4-8): per query q, over the WHOLE
+ASP -- Average Semantic Precision (DAA §4.1, Eq. 4-8): per query q, over the WHOLE
   gallery Omega, mean_i min(R(i,C), R(i,S)) / max(R(i,C), R(i,S)) with 1-based ranks R of item i
   in the model's ranking S and in the semantic ranking C; dataset ASP = mean over queries, in %.
   The semantic score is DAA's code's (engine/eval_coco.py `coco_cider_compute`), not CIDEr-D:
@@ -195,7 +195,7 @@ def asp_pair(vectors: sp.csr_matrix, gt: sp.csr_matrix) -> tuple[ASP, ASP]:
 # =====================================================================================
 def class_positives(image_class: np.ndarray, cap_img: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(i2t [N, P], t2i [M, P']) padded gallery indices (ranks.pad_positives) of the
-    class-level protocol of PCME / DAA (seed 004 §5.1.1): an image's positives are all captions
+    class-level protocol of PCME / DAA (DAA §5.1.1): an image's positives are all captions
     of images of its class, a caption's all images of its image's class."""
     image_class = np.asarray(image_class)
     cap_class = image_class[np.asarray(cap_img, np.int64)]

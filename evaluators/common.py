@@ -134,7 +134,7 @@ def uncertainty(logvar: np.ndarray) -> np.ndarray:
 
 def binned_accuracy(correct: np.ndarray, unc: np.ndarray, bins: int = 10) -> tuple[np.ndarray, float]:
     """Accuracy (%) in `bins` equal-count bins of increasing uncertainty, and the Pearson
-    correlation between bin index and accuracy (REFERENCE §3.1 `eval_clsf_unc`; negative = the
+    correlation between bin index and accuracy (naver-ai/prolip src/prolip/zero_shot_classifier.py `eval_clsf_unc`; negative = the
     model knows when it is wrong)."""
     if len(correct) == 0:
         raise ValueError("binned_accuracy needs at least one item")

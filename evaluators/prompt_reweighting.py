@@ -1,4 +1,4 @@
-"""Bayesian Prompt Re-Weighting (BPRW; paper §3.4, A.8, C.7; REFERENCE §3.2).
+"""Bayesian Prompt Re-Weighting (BPRW; paper §3.4, A.8, C.7; naver-ai/prolip src/prolip/zero_shot_classifier.py).
 
 Per class c the T prompt embeddings N(mu_{c,t}, diag sigma2_{c,t}) are treated as the known
 components of a Gaussian mixture. Observations are K samples drawn from each of M image
@@ -6,7 +6,7 @@ Gaussians; EM with a Dirichlet(alpha) MAP M-step estimates the mixing weights pi
 re-weighted class embedding is `pi_c @ mu_{c,:}` (NOT re-normalised) with variance
 `pi_c**2 @ sigma2_{c,:}`, scored by the reference's `100 dot - 50 sum(sigma2)` rule.
 
-Two ways to pick the M images (REFERENCE §3.2 step 1):
+Two ways to pick the M images (naver-ai/prolip src/prolip/zero_shot_classifier.py step 1):
     "nn"       zero-shot: the M images nearest to mean_t(mu_{c,t})       (Table 3, K = 0)
     "fewshot"  M labelled images of class c, drawn with a seeded Generator (`--use_gt`)
 
@@ -106,7 +106,7 @@ def estimate_mixing_proportions(obs: np.ndarray, means: np.ndarray, variances: n
 
     obs [C, M, D] (or [M, D]), means / variances (sigma^2) [C, T, D] (or [T, D]).
     Returns (pi [C, T], iterations run [C]) (or [T], scalar). Semantics of the reference's
-    `estimate_mixing_proportions` (REFERENCE §3.2 step 3): pi starts from `prior` on the raw
+    `estimate_mixing_proportions` (naver-ai/prolip src/prolip/zero_shot_classifier.py step 3): pi starts from `prior` on the raw
     variances; the variances used are (var * multiplier + stable_eps) * multiplier (the
     reference multiplies twice); the M-step is the Dirichlet MAP
     pi = (N_t + alpha - 1) / (M + T (alpha - 1)), clamped at 0 and renormalised; a class stops
@@ -144,7 +144,7 @@ def estimate_mixing_proportions(obs: np.ndarray, means: np.ndarray, variances: n
 def select_images(text_mu: np.ndarray, image_mu: np.ndarray, num_images: int,
                   labels: np.ndarray | None = None, rng: np.random.Generator | None = None
                   ) -> np.ndarray:
-    """Image indices [C, M] per class (REFERENCE §3.2 step 1).
+    """Image indices [C, M] per class (naver-ai/prolip src/prolip/zero_shot_classifier.py step 1).
 
     text_mu [C, T, D]; image_mu [N, D]. Without labels: the top-M images by
     mean_t(mu_{c,t}) . mu_img. With labels [N]: M labelled images of class c drawn without
@@ -171,7 +171,7 @@ def select_images(text_mu: np.ndarray, image_mu: np.ndarray, num_images: int,
 def sample_observations(image_mu: np.ndarray, image_logvar: np.ndarray, indices: np.ndarray,
                         num_samples: int, rng: np.random.Generator) -> np.ndarray:
     """K samples mu + eps * exp(logvar / 2) from each selected image: indices [C, M] ->
-    observations [C, M * K, D] (REFERENCE §3.2 step 2)."""
+    observations [C, M * K, D] (naver-ai/prolip src/prolip/zero_shot_classifier.py step 2)."""
     mu = np.asarray(image_mu, np.float64)[indices]                          # [C, M, D]
     std = np.exp(np.asarray(image_logvar, np.float64)[indices] / 2.0)
     eps = rng.standard_normal((*indices.shape, num_samples, mu.shape[-1]))
@@ -182,7 +182,7 @@ def sample_observations(image_mu: np.ndarray, image_logvar: np.ndarray, indices:
 def reweighted_classifier(weights: np.ndarray, text_mu: np.ndarray, text_sigma2: np.ndarray
                           ) -> tuple[np.ndarray, np.ndarray]:
     """weights [C, T], text mu / sigma^2 [C, T, D] -> (w @ mu [C, D] NOT re-normalised,
-    w**2 @ sigma^2 [C, D]) (REFERENCE §3.2 step 4)."""
+    w**2 @ sigma^2 [C, D]) (naver-ai/prolip src/prolip/zero_shot_classifier.py step 4)."""
     return (np.einsum("ct,ctd->cd", weights, text_mu),
             np.einsum("ct,ctd->cd", weights ** 2, text_sigma2))
 

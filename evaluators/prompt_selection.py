@@ -1,6 +1,6 @@
 """Uncertainty-based prompt selection for zero-shot classification (paper §3.4 and Table 3 rows
 "Filtering by sigma stats" and "Top-K prompts"; PCME++ C.6; the reference's
-src/analysis/unc_zeroshot_prompts.py, REFERENCE §3.2 "other filters").
+src/analysis/unc_zeroshot_prompts.py, naver-ai/prolip src/prolip/zero_shot_classifier.py "other filters").
 
 Per class c and template t the prompt uncertainty is u_{c,t} = sum_d sigma^2_{c,t,d}. A
 selection keeps a subset S_c of templates per class; the class embedding is then the usual

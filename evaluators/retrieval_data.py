@@ -162,7 +162,7 @@ def coco_category_codes(files: Sequence[str], image_ids: Sequence[int]
 
 
 def cub_captions(root: str, split: str = "test", split_dir: str = "") -> EvalSet:
-    """CUB Captions (Reed et al. 2016; the PCME protocol, DAA seed 004 §5.1.1), read by the
+    """CUB Captions (Reed et al. 2016; the PCME protocol, DAA §5.1.1), read by the
     training source's parser (input_pipeline/captions.py `read_cub`, the one place for the
     layout): root/images/<NNN.Class>/<name>.jpg, root/text_c10/<NNN.Class>/<name>.txt (10 lines),
     the classes of <split_dir or root>/<split>classes.txt (Xian et al.'s testclasses.txt).

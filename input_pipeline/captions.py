@@ -20,7 +20,7 @@ Iteration (data.caption_iteration):
                 so the draw changes every epoch and is the same in a resumed run.
 Either way the source is random access under sources.EpochOrderDataset: exact resumption and
 host sharding come from there. Every record carries "image_id" (data.positive_level: the
-dataset's image id, or for cub the class, DAA seed 004 §5.1.1: all pairs of a class are
+dataset's image id, or for cub the class, DAA §5.1.1: all pairs of a class are
 positives), batched as int32 for config.targets.positives="image_id".
 
 Bad data: an annotation problem (missing split, an entry without captions, a CUB class without
@@ -30,7 +30,7 @@ absent then is skipped and counted ("missing_image") like a missing image in any
 (stat-ing 113k files up front costs minutes on network storage). At construction a sample of
 up to 32 images is checked: if none exists the root is wrong, and that is an error.
 
-Noisy correspondence (data.noise_ratio; PCME++ seed 003 §3.2, following NCR, Huang et al.
+Noisy correspondence (data.noise_ratio; PCME++ §3.2, following NCR, Huang et al.
 2021): a seeded round(ratio * N) of the N pairs have their captions shuffled among themselves;
 `write_noisy_pairs` records which (the trainer writes <workdir>/noisy_pairs.json).
 """

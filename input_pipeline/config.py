@@ -46,7 +46,7 @@ class DataConfig:
     read_threads: int = 2
     read_buffer_size: int = 64          # records each process reads ahead
     shuffle_buffer_size: int = 2_000    # tar: records per shuffle window, per worker
-    # Augmentation (REFERENCE §5). `augment=False` trains on the eval transform.
+    # Augmentation (naver-ai/prolip scripts/*.sh and src/prolip_train/params.py). `augment=False` trains on the eval transform.
     augment: bool = True
     crop_scale: tuple[float, float] = (0.8, 1.0)
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
@@ -90,9 +90,9 @@ class DataConfig:
     # epoch with a caption drawn from (seed, epoch, image). Both resume exactly.
     caption_iteration: str = "per_caption"
     # What batch["image_id"] holds: "image" (the dataset's image id: captions of one image are
-    # positives) or "class" (cub only: DAA seed 004 §5.1.1, all pairs of a class are positives).
+    # positives) or "class" (cub only: DAA §5.1.1, all pairs of a class are positives).
     positive_level: str = "image"
-    # Noisy correspondence (PCME++ seed 003 §3.2, after NCR): the share of training pairs whose
+    # Noisy correspondence (PCME++ §3.2, after NCR): the share of training pairs whose
     # captions are shuffled among themselves (the papers use 0.2 and 0.5); in [0, 1).
     noise_ratio: float = 0.0
     noise_seed: int = 0                 # which pairs; apart from `seed` (same noise, any order)

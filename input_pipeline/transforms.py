@@ -1,10 +1,10 @@
 """Image transforms (PIL in, numpy out) matching the reference's torchvision pipeline.
 
-Train (REFERENCE §5, open_clip 2.24 `image_transform(is_train=True)` as ProLIP configures it):
+Train (naver-ai/prolip scripts/*.sh and src/prolip_train/params.py, open_clip 2.24 `image_transform(is_train=True)` as ProLIP configures it):
     RandomResizedCrop(size, scale=(0.8, 1.0), ratio=(3/4, 4/3), bicubic)
     RandomApply([ColorJitter(0.32, 0.32, 0.32, 0.08)], p=0.8)
     RandomGrayscale(p=0.2)
-Eval (REFERENCE §1.5): bicubic resize of the shortest side to `size`, then CenterCrop(size).
+Eval (naver-ai/prolip src/prolip/tokenizer.py): bicubic resize of the shortest side to `size`, then CenterCrop(size).
 Normalisation: OpenAI CLIP mean/std (the reference's) or 0.5/0.5 (SigLIP's), by config.
 
 Transforms return HWC uint8; `prolip_jax.normalization.normalize` turns a batch into float32. The crop geometry is
@@ -41,7 +41,7 @@ _YIQ_TO_RGB = np.linalg.inv(_RGB_TO_YIQ)
 
 @dataclasses.dataclass(frozen=True)
 class AugmentConfig:
-    """Training augmentation; the defaults are the reference's (REFERENCE §5)."""
+    """Training augmentation; the defaults are the reference's (naver-ai/prolip scripts/*.sh and src/prolip_train/params.py)."""
     crop_scale: tuple[float, float] = (0.8, 1.0)
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
     color_jitter: tuple[float, float, float, float] = (0.32, 0.32, 0.32, 0.08)  # b, c, s, hue

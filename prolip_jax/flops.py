@@ -15,7 +15,7 @@ One tower forward on `b` samples, `t` tokens, width `d`, MLP width `m`, `L` bloc
 
 Tokens: vision t = N + 2 ([CLS], [UNC]); masked vision t = int(N * keep_ratio) + 2; text
 t = L_text + 2 ([UNC], [CLS]), the masked text forward keeps the full length (masked tokens
-are replaced in place, REFERENCE §2.6). The other papers' heads (models/heads.py) are counted
+are replaced in place, naver-ai/prolip src/prolip_train/train.py). The other papers' heads (models/heads.py) are counted
 the same way: PCME++'s duplicated blocks, its projections on every token and GPO's BiGRU and
 pooling, Pishdad et al.'s second projection; μ-only towers drop the uncertainty matmuls.
 
@@ -117,7 +117,7 @@ def text_forward_flops(config: TextConfig, embed_dim: int, batch: int,
     }
     out["text_projection"] = out.pop("proj")
     if c.pool == "prolip":
-        # Applied to the projected [CLS] embedding (REFERENCE §1.3): E -> E.
+        # Applied to the projected [CLS] embedding (naver-ai/prolip src/prolip/transformer.py TextTransformer): E -> E.
         out["text_uncertainty_projection"] = 2.0 * batch * embed_dim * _unc_out(c, embed_dim)
     return out
 

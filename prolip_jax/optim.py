@@ -1,4 +1,4 @@
-"""The optimiser: AdamW with the reference's decay mask and warm-up + cosine schedule (REFERENCE §5),
+"""The optimiser: AdamW with the reference's decay mask and warm-up + cosine schedule (naver-ai/prolip scripts/*.sh and src/prolip_train/params.py),
 plus the fine-tuning controls of issue 12 (locked parameters, per-group lr / weight decay, layer-wise
 lr decay) and the pieces of the seed papers' COCO recipes (AdamP, a step schedule, weight averaging).
 
@@ -42,8 +42,8 @@ Patterns are Python regular expressions searched (`re.search`) in the '/'-joined
   moments get smaller steps until v adapts. See `scale_by_loss_ramp`.
 Decoupled weight decay follows torch's AdamW per parameter group: p -= lr * lr_mult * wd * p.
 
-Recipes of the COCO seed papers (PCME++ seed 003 App. B.2 / Table B.1, Pishdad et al. seed 001 §4.2,
-DAA seed 004 §5.2); fields of `config.optim`, defaults in OptimConfig:
+Recipes of the COCO seed papers (PCME++ App. B.2 / Table B.1, Pishdad et al. §4.2,
+DAA §5.2); fields of `config.optim`, defaults in OptimConfig:
 - name: "adamw" (the default, above) or "adamp": AdamP (Heo et al., ICLR 2021; clovaai/AdamP
   `adamp.py`), the optimiser of PCME++ and DAA; see `scale_by_adamp`. adamp_delta (0.1),
   adamp_wd_ratio (0.1) and adamp_nesterov (False) are its delta, wd_ratio and nesterov. It composes
@@ -53,7 +53,7 @@ DAA seed 004 §5.2); fields of `config.optim`, defaults in OptimConfig:
   multiplied by step_factor (0.1) at each of step_boundaries: global steps (ints) or fractions of
   total_steps (floats in (0, 1)). PCME++: constant, x0.1 for the last 10 of 25 epochs (0.6);
   Pishdad et al.: /10 at epoch 15 of 30 (0.5).
-  "cosine_phases": DAA's two phases (seed 004 §5.2; its code's train_coco.py, engine/trainer.py,
+  "cosine_phases": DAA's two phases (DAA §5.2; its code's train_coco.py, engine/trainer.py,
   optimizers/__init__.py, config/coco/pcme_coco.yaml): see `warmup_cosine_phases`. A cosine of
   period cosine_steps (torch's CosineAnnealingLR T_max, going on past it), restarted from its top
   at each of step_boundaries with the base lr x step_factor^k, the linear warm-up in front.
@@ -85,7 +85,7 @@ MAX_LOGIT_SCALE = math.log(100.0)
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """`config.optim`. Defaults: the reference's B/16 DataComp recipe (REFERENCE §5)."""
+    """`config.optim`. Defaults: the reference's B/16 DataComp recipe (naver-ai/prolip scripts/*.sh and src/prolip_train/params.py)."""
 
     lr: float = 5e-4
     warmup_steps: int = 10_000
@@ -819,5 +819,5 @@ def combine(trainable: Any, locked: Any) -> Any:
 
 
 def clamp_logit_scale(params: dict) -> dict:
-    """`logit_scale.clamp_(0, ln 100)` after each optimiser step (REFERENCE §2.1)."""
+    """`logit_scale.clamp_(0, ln 100)` after each optimiser step (naver-ai/prolip src/prolip/loss.py)."""
     return {**params, "logit_scale": jnp.clip(params["logit_scale"], 0.0, MAX_LOGIT_SCALE)}

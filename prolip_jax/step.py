@@ -1,6 +1,6 @@
 """The train state, its sharded initialisation and the jitted ProLIP train step.
 
-One step (paper §3.3, REFERENCE §2.1 and §2.6): the full forward on the global batch, the masked
+One step (paper §3.3, naver-ai/prolip src/prolip/loss.py and §2.6): the full forward on the global batch, the masked
 forward on the masked sub-batch (the first `int(G * fraction)` rows of every group of G = 8
 consecutive rows: 64 of each 512-row shard as the reference masks 12.5% of each GPU's batch, but
 a set that does not depend on the mesh; images keep one shared random subset of patches, text
@@ -65,7 +65,7 @@ def sigma2_metrics(features: dict) -> dict[str, jax.Array]:
 
 @dataclasses.dataclass(frozen=True)
 class MaskingConfig:
-    """ProLIP's masked forward (`config.masking`; REFERENCE §2.6). Only objectives with
+    """ProLIP's masked forward (`config.masking`; naver-ai/prolip src/prolip_train/train.py). Only objectives with
     USES_MASKED run it. The ids must be special tokens of the tokenizer: [MASK] replaces text
     tokens, protected ids (pad, EOS) are never masked."""
 
@@ -222,7 +222,7 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
     # part holds the leaf) is what keeps a locked tower from costing its weight-gradient matmuls.
     join = optim.combine
 
-    # SizeAugment (PCME++ §2.4, seed 003) is the only training-time randomness in the towers: its
+    # SizeAugment (PCME++ §2.4, PCME++) is the only training-time randomness in the towers: its
     # key is per step and per microbatch, so gradient caching's re-run sees the same dropped tokens.
     augment = bool(model.config.vision.size_augment or model.config.text.size_augment)
 

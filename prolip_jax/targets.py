@@ -8,7 +8,7 @@
   the other copies as negatives, as the diagonal does, pushes apart what matches);
   "image_id" (rows with equal `batch["image_id"]`: several captions of one image, COCO-style);
   "both" (either).
-- MSDA (PCME++, seed 003 §2.4; pcmepp/augmentation.py): each image is mixed, with probability
+- MSDA (PCME++, PCME++ §2.4; pcmepp/augmentation.py): each image is mixed, with probability
   `mix_fraction`, with its partner in the reversed batch (row B-1-i), by Mixup or CutMix
   (`cutmix_prob`, drawn per element as the code does, not per batch as the paper says), with
   lambda ~ Beta(mix_alpha, mix_alpha); CutMix's lambda is corrected to the pasted box's area

@@ -6,7 +6,7 @@
 CKPT: a training workdir, its checkpoints/ folder, one step folder or an exported folder (the
 rule of every tool, prolip_jax/tool_paths.py). A non-empty HF_DIR is refused unless --overwrite.
 
-HF_DIR receives `config.json` + `model.safetensors` (keys and shapes of REFERENCE §4), which
+HF_DIR receives `config.json` + `model.safetensors` (keys and shapes of naver-ai/prolip's ProLIPHF state dict), which
 `prolip.model.ProLIPHF.from_pretrained(HF_DIR)` loads with no missing or unexpected key, plus
 the tokenizer recorded with the checkpoint (its file, `tokenizer.json` + `tokenizer_config.json`
 for `AutoTokenizer` / the reference's `HFTokenizer(HF_DIR, ...)`; config.json's

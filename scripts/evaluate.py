@@ -245,7 +245,7 @@ def binned_from_arrays(arrays: dict) -> list[float] | None:
 
 
 def plot_binned_accuracy(series: dict[str, list[float]], path: Path, plt: Any) -> Path:
-    """Accuracy per image-uncertainty bin (REFERENCE §3.1), one line per metric group."""
+    """Accuracy per image-uncertainty bin (naver-ai/prolip src/prolip/zero_shot_classifier.py), one line per metric group."""
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
     for label, acc in series.items():
         ax.plot(range(len(acc)), acc, "o-", label=label)

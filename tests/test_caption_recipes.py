@@ -35,7 +35,7 @@ def test_recipe_parses_at_paper_size(method, arg):
     assert mcfg.vision.patch_size == 32 and mcfg.text.context_length == 77  # CLIP ViT-B/32's towers
     assert (mcfg.vision.embed_unc and mcfg.text.embed_unc) == (method not in ("vse", "infonce"))
     assert parsed.targets.positives == "image_id"
-    if method == "pcmepp":  # seed 003 App. B.2, in steps
+    if method == "pcmepp":  # PCME++ App. B.2, in steps
         epoch = c.total_steps // 25
         assert (c.optim.name, c.optim.unlock_step, c.optim.swa_start_step) == ("adamp", 2 * epoch, 16 * epoch)
         assert parsed.targets.mix_fraction == 0.25

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import convert_from_pytorch  # noqa: E402
 import convert_to_pytorch  # noqa: E402
 
-# The released SanghyukChun/ProLIP-ViT-B-16-DC-1B-12_8B config.json (REFERENCE §1.4).
+# The released SanghyukChun/ProLIP-ViT-B-16-DC-1B-12_8B config.json (naver-ai/prolip src/prolip/model_configs).
 RELEASED_B16 = {
     "embed_dim": 768, "init_logit_bias": -10,
     "vision_cfg": {"image_size": 224, "layers": 12, "width": 768, "patch_size": 16, "embed_unc": True,

@@ -41,7 +41,7 @@ def test_positive_ranks_and_ties_by_hand():
     np.testing.assert_array_equal(ranks, [[0, 6, pad], [2, 3, pad], [2, 0, 3]])
     np.testing.assert_array_equal(R.positive_ranks(T2I_SCORES, CAP_IMG[:, None])[:, 0],
                                   [0, 0, 1, 2, 0, 2, 1])
-    # ... which is exactly where a stable descending argsort puts them (REFERENCE §3.3)
+    # ... which is exactly where a stable descending argsort puts them (naver-ai/prolip src/prolip_train/zero_shot_unc.py)
     order = np.argsort(-I2T_SCORES, axis=1, kind="stable")
     for q, row in enumerate(ranks):
         for p, r in zip(np.flatnonzero(CAP_IMG == q), row):
@@ -118,7 +118,7 @@ def test_blocked_equals_dense_and_reference_ranking():
     q_lv = rng.normal(-2, 1, size=(nq, d)).astype(np.float32)
     g_lv = rng.normal(-2, 1, size=(ng, d)).astype(np.float32)
     pos = RK.pad_positives([rng.choice(ng, rng.integers(1, 5), replace=False) for _ in range(nq)])
-    # the reference's CSD-equivalent scores: mu_q @ mu_g.T - u_g / 2 (REFERENCE §3.3)
+    # the reference's CSD-equivalent scores: mu_q @ mu_g.T - u_g / 2 (naver-ai/prolip src/prolip_train/zero_shot_unc.py)
     u_g = np.exp(g_lv.astype(np.float64)).sum(1)
     ref = {"csd": q_mu.astype(np.float64) @ g_mu.T - u_g[None] / 2, "dot": q_mu @ g_mu.T}
     for kind in ("csd", "dot"):
@@ -186,7 +186,7 @@ def embed(model, params, images, tokens):
 
 
 def dense_metrics(emb, cap_img, kind):
-    """Independent dense computation: full score matrices (REFERENCE §3.3), stable argsort."""
+    """Independent dense computation: full score matrices (naver-ai/prolip src/prolip_train/zero_shot_unc.py), stable argsort."""
     i_mu, i_lv, t_mu, t_lv = emb
     ui, ut = np.exp(i_lv).sum(1), np.exp(t_lv).sum(1)
     i2t = i_mu @ t_mu.T - (ut[None] / 2 if kind == "csd" else 0)
@@ -347,7 +347,7 @@ def test_evaluator_eccv_and_cxc_on_real_ids(setup, monkeypatch):
     res = dict(ev.run(None))
 
     i_mu, i_lv, t_mu, t_lv = (x.astype(np.float64) for x in emb)
-    scores = {"i2t": i_mu @ t_mu.T - np.exp(t_lv).sum(1)[None] / 2,   # REFERENCE §3.3
+    scores = {"i2t": i_mu @ t_mu.T - np.exp(t_lv).sum(1)[None] / 2,   # naver-ai/prolip src/prolip_train/zero_shot_unc.py
               "t2i": t_mu @ i_mu.T - np.exp(i_lv).sum(1)[None] / 2}
     ids = {"i2t": (imgs, caps), "t2i": (caps, imgs)}
     sl = Slice()

@@ -61,7 +61,7 @@ def test_inclusion_scores_on_known_gaussians():
     h = unc.inclusion_scores(mu, small, mu, big)
     assert np.all(h > 0)
     assert np.all(unc.inclusion_scores(mu, big, mu, small) < 0)
-    # Golden check of the per-item sum against REFERENCE §2.4's formula in float64 numpy
+    # Golden check of the per-item sum against naver-ai/prolip src/prolip/loss.py's formula in float64 numpy
     # (eps = 0; for equal means only the variance terms remain).
     def inc(m1, l1, m2, l2):
         i1, i2 = np.exp(-l1), np.exp(-l2)

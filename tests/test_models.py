@@ -58,7 +58,7 @@ def test_per_sample_keep_indices_equal_shared_ones(model, golden, golden_params)
 
 
 def test_text_uncertainty_is_wired_from_projected_cls(model, golden, golden_params):
-    """REFERENCE §1.3: with W_u = 0 the text log sigma^2 equals b_u exactly; the image one does not."""
+    """naver-ai/prolip src/prolip/transformer.py TextTransformer: with W_u = 0 the text log sigma^2 equals b_u exactly; the image one does not."""
     params = jax.tree.map(lambda x: x, golden_params)
     params["text"]["text_uncertainty_projection"]["kernel"] = np.zeros_like(
         params["text"]["text_uncertainty_projection"]["kernel"])
@@ -169,7 +169,7 @@ def test_config_errors_are_clear():
 
 def test_keep_indices():
     idx = random_keep_indices(jax.random.key(0), 196, 0.75)
-    assert idx.shape == (147,) and idx.dtype == jnp.int32  # int(196 * 0.75), REFERENCE §2.6
+    assert idx.shape == (147,) and idx.dtype == jnp.int32  # int(196 * 0.75), naver-ai/prolip src/prolip_train/train.py
     assert np.all(np.diff(np.asarray(idx)) > 0) and idx.max() < 196
     per = random_keep_indices(jax.random.key(0), 16, 0.75, batch=4)
     assert per.shape == (4, 12) and np.all(np.diff(np.asarray(per), axis=-1) > 0)

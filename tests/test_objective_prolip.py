@@ -50,7 +50,7 @@ def _ours(golden, source, setting):
 
 # ------------------------------------------------------ the reference's formulas, literally
 def _ref_inclusion_test(m1, l1, m2, l2, eps, dtype):
-    """REFERENCE §2.4 transcribed as coded (numpy, no log-space tricks)."""
+    """naver-ai/prolip src/prolip/loss.py transcribed as coded (numpy, no log-space tricks)."""
     m1, l1, m2, l2 = (np.asarray(x, dtype) for x in (m1, l1, m2, l2))
     eps = dtype(eps)
     inv1, inv2 = np.exp(-l1 + eps), np.exp(-l2 + eps)

@@ -9,7 +9,7 @@ the first third: with the hardest negative alone they stay at chance from random
 
 σ² on ambiguous inputs (blank images, colour-only captions): asserted where the method's paper
 predicts it and this set shows it (ProLIP: a caption true of four classes is more uncertain
-than a full one, paper 002 §4.3); the numbers for every method are in the README's Methods
+than a full one, the ProLIP paper §4.3); the numbers for every method are in docs/methods.md's Methods
 section, from `python benchmarks/methods_synthetic.py`.
 """
 from __future__ import annotations

@@ -58,7 +58,7 @@ def _multi_positive(b):
 
 
 def _msda(b):
-    """MSDA soft targets (seed 003 §2.4): image i mixed with image b-1-i with weight lam_i."""
+    """MSDA soft targets (PCME++ §2.4): image i mixed with image b-1-i with weight lam_i."""
     t = np.eye(b, dtype=np.float32)
     for i, lam in ((0, 0.7), (2, 0.4)):
         t[i, i], t[i, b - 1 - i] = lam, 1.0 - lam

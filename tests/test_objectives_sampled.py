@@ -331,7 +331,7 @@ def test_tfidf_equals_sklearn():
 # -------------------------------------------------------------------------------------- DAA
 def test_soft_asp_tends_to_exact_asp():
     # One query, four items. S ranks (0.9, 0.5, 0.7, 0.1) -> 1, 3, 2, 4; C (0.2, 0.8, 0.6, 0.1)
-    # -> 3, 1, 2, 4; ASP = (1/3 + 1/3 + 1 + 1) / 4 = 2/3 (seed 004 eq. 4).
+    # -> 3, 1, 2, 4; ASP = (1/3 + 1/3 + 1 + 1) / 4 = 2/3 (DAA eq. 4).
     s = jnp.asarray([[0.9, 0.5, 0.7, 0.1]])
     c = jnp.asarray([[0.2, 0.8, 0.6, 0.1]])
     asp = jax.jit(lambda tau: daa.soft_asp(s, daa.semantic_ranks(c, 1, tau), tau)[0])

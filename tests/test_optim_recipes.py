@@ -1,5 +1,5 @@
-"""The optimiser pieces of the COCO recipes of the seed papers: AdamP (PCME++ seed 003 Table B.1,
-DAA seed 004 §5.2), the step lr schedule (PCME++ App. B.2, Pishdad et al. seed 001 §4.2), weight
+"""The optimiser pieces of the COCO recipes of the seed papers: AdamP (PCME++ Table B.1,
+DAA §5.2), the step lr schedule (PCME++ App. B.2, Pishdad et al. §4.2), weight
 averaging (PCME++ App. B.3) and the lr warm-up after unfreezing (PCME++ §3.1 / App. B.2).
 
 AdamP is checked against a float64 numpy transcription of clovaai/AdamP `adamp.py` (`AdamP.step`,

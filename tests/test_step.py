@@ -199,7 +199,7 @@ def test_batch_layout_errors():
 
 
 def test_size_augment_runs_in_the_step_and_cached_gradients_see_the_same_drops():
-    """SizeAugment (PCME++'s token dropout, seed 003 §2.4) is on in the step: train=True with its
+    """SizeAugment (PCME++'s token dropout, PCME++ §2.4) is on in the step: train=True with its
     own key per step and microbatch. Gradient caching runs each microbatch's forward twice; with
     other drops the second time its gradient would not be the loss's. Reference: the gradient of
     the same loss written directly (features per microbatch with the step's keys, then the loss

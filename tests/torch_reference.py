@@ -1,4 +1,4 @@
-"""A compact PyTorch re-statement of the reference ProLIP forward (naver-ai/prolip, REFERENCE §1).
+"""A compact PyTorch re-statement of the reference ProLIP forward (naver-ai/prolip, naver-ai/prolip src/prolip/model.py).
 
 Used only by the optional torch tests: module and parameter names reproduce the reference's
 state_dict keys (so `load_state_dict(strict=True)` checks our exported keys and shapes), and

@@ -12,12 +12,12 @@ Fields (`--config.<field>=value`):
     image_root        folder holding <filepath>/<filename> (val2014/COCO_val2014_*.jpg)
     split             "test" (5,000 images; "val" for the validation split)
     instances         instances_val2014.json (comma-separate several) -> PMRP, zeta 0/1/2
-                      (PCME / Pishdad seed 001 §4.3); "" -> PMRP skipped with one warning
+                      (PCME / Pishdad et al. §4.3); "" -> PMRP skipped with one warning
     pmrp_unannotated  "drop" (PCME's evaluate_pmrp_coco.py: images without an instance are no
                       query and no gallery item) | "zero" (kept with an all-zero vector)
     coco_annotations  captions_val2014.json (comma-separate several): the COCO caption ids
                       that ECCV Caption / CxC need (eccv_caption installed); "" -> those skipped
-    asp               True: ASP with DAA's TF-IDF semantic score (DAA seed 004 §4.1; named
+    asp               True: ASP with DAA's TF-IDF semantic score (DAA §4.1; named
                       asp_tfidf: CIDEr-D would give other values)
     scores            ("csd",): -CSD (mu alone for a deterministic model); add "dot" for mu.mu
     unc_bins          10 (0: off): R@1 / mAP@R per query-uncertainty bin, corr and rho

@@ -1,4 +1,4 @@
-r"""CUB Captions (PCME's protocol; DAA seed 004 §5.1.1): retrieval on the 50 test classes with
+r"""CUB Captions (PCME's protocol; DAA §5.1.1): retrieval on the 50 test classes with
 class-level positives (every image-caption pair of the same class), R-Precision as the main
 metric, plus R@K and mAP@R under the same positives, and recall per uncertainty bin with rho.
 

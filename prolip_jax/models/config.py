@@ -1,7 +1,7 @@
 """Model configuration: dataclasses, the reference `config.json` schema, named variants.
 
 The reference (naver-ai/prolip, open_clip 2.24) describes a model by a kwargs dict
-`{"embed_dim", "init_logit_bias", "vision_cfg": {...}, "text_cfg": {...}}` (REFERENCE §1.4);
+`{"embed_dim", "init_logit_bias", "vision_cfg": {...}, "text_cfg": {...}}` (naver-ai/prolip src/prolip/model_configs);
 the released Hugging Face `config.json` is that same dict. `ProLIPConfig.from_dict` reads it
 (any size), `to_dict` writes it back so `ProLIPHF.from_pretrained` can rebuild the model.
 
@@ -14,9 +14,9 @@ open_clip has one (`pool_type`, `no_ln_pre`, `no_causal_mask`, `proj_bias`, `act
 
 Uncertainty-head and pooling options from the other probabilistic VL papers, on the same
 towers (fields `unc_head`, `unc_layers`, `covariance`, `pool="gpo"`, `gpo_dim`, `size_augment`;
-models/heads.py): PCME++'s duplicated last block with GPO pooling and SizeAugment (seed 003
+models/heads.py): PCME++'s duplicated last block with GPO pooling and SizeAugment (PCME++
 §2.1 / naver-ai/pcmepp pcmepp/models/{img,txt}_encoder.py) and Pishdad et al.'s duplicated
-embedding layer (seed 001 §3.1, §4.2). They have no open_clip equivalent: in the dict schema
+embedding layer (Pishdad et al. §3.1, §4.2). They have no open_clip equivalent: in the dict schema
 they are written under their field names, and only when they differ from the default, so a
 ProLIP `config.json` stays the reference's; `prolip_jax.convert` refuses to export them.
 """
@@ -31,7 +31,7 @@ UNC_HEADS = ("unc_token", "block", "embedding")
 COVARIANCES = ("diagonal", "spherical")
 
 # The paper's initial a = 10 (§4.1, "following SigLIP"); the reference code uses
-# log(1/0.07) when the config does not say (REFERENCE §2.3). We default to the paper.
+# log(1/0.07) when the config does not say (naver-ai/prolip src/prolip/loss.py). We default to the paper.
 PAPER_INIT_LOGIT_SCALE = math.log(10.0)
 
 
@@ -220,7 +220,7 @@ class ProLIPConfig:
         if t.width % t.heads:
             problems.append(f"text width {t.width} is not divisible by heads {t.heads}")
         # The reference applies text_uncertainty_projection, a Linear(width, embed_dim), to the
-        # *projected* CLS embedding (REFERENCE §1.3), which only type-checks when they agree.
+        # *projected* CLS embedding (naver-ai/prolip src/prolip/transformer.py TextTransformer), which only type-checks when they agree.
         if prolip_text and t.width != self.embed_dim:
             problems.append(f"text width {t.width} must equal embed_dim {self.embed_dim}: the reference "
                             "computes text log sigma^2 from the projected [CLS] embedding")
@@ -230,7 +230,7 @@ class ProLIPConfig:
     # ------------------------------------------------------------------ reference schema
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ProLIPConfig":
-        """Builds a config from a reference `config.json` dict (REFERENCE §1.4)."""
+        """Builds a config from a reference `config.json` dict (naver-ai/prolip src/prolip/model_configs)."""
         d = dict(d)
         _check_keys("config", d, _TOP_KEYS)
         vis = dict(d.get("vision_cfg") or {})

@@ -2,7 +2,7 @@
 
 * `GPO`: VSE∞'s Generalized Pooling Operator (Chen et al. 2021; naver-ai/pcmepp
   pcmepp/modules/aggr/gpo.py, copied from vse_infty lib/modules/aggr/gpo.py), which PCME++ puts
-  on both its mu and log sigma^2 branches (seed 003 §2.1, Fig. 2). For a sample with n valid
+  on both its mu and log sigma^2 branches (PCME++ §2.1, Fig. 2). For a sample with n valid
   tokens: a sinusoidal encoding of the positions 0..n-1 runs through a bidirectional GRU
   (hidden size `dim`, outputs of both directions averaged), a bias-free Linear gives one score
   per position, w = softmax(score / 0.1) over the n positions, and the features, sorted in

@@ -12,7 +12,7 @@ jnp on the gathered [N, M] similarity matrix, which XLA shards under jit.
 - siglip: SigLIP's pairwise sigmoid loss, logits = a * mu_i . mu_t + b, -sum log sigmoid(z l) / N
   with z = 2 m - 1, normalised by the (image) batch size as big_vision's siglip trainer. Written
   as BCE with target m, which equals that for 0/1 targets and also takes soft targets (the
-  pairwise argument of PCME++, seed 003 App. A.5).
+  pairwise argument of PCME++, PCME++ App. A.5).
 - vse: VSE∞'s triplet loss with hardest in-batch negatives (VSE++ max violation), margin 0.2,
   summed over the batch as VSE∞'s ContrastiveLoss (pcmepp/criterions/triplet.py):
   sum_i [m + max_j' s(i, j') - s(i, i)]_+ + sum_j [m + max_i' s(i', j) - s(j, j)]_+ on s = mu_i . mu_t.
@@ -52,7 +52,7 @@ def hardest_negative_triplet(sim: jax.Array, positive: jax.Array | None, margin:
     positive: bool [N, M], None = the identity. Negatives of (i, j) are the non-positives of row i
     (captions for image i) and of column j (images for caption j), so other positives of a
     multi-positive row are never negatives. max_violation=True: the hardest negative only
-    (VSE++ / VSE∞; Pishdad et al., seed 001 eq. 3); a row without negatives adds 0.
+    (VSE++ / VSE∞; Pishdad et al., Pishdad et al. eq. 3); a row without negatives adds 0.
     max_violation=False: VSE0, the sum over all negatives; [N, M] for the identity (`positive`
     None, N = M), with `positive` given it materialises [N, M, M] and [N, N, M] (VSE∞ uses it
     only for its first warm-up epochs).
@@ -85,7 +85,7 @@ def hardest_negative_triplet(sim: jax.Array, positive: jax.Array | None, margin:
 @dataclasses.dataclass(frozen=True)
 class ClipConfig:
     """No knobs: the temperature is the model's learnable `logit_scale` (PCME++ initialises
-    it at 1.0 for its InfoNCE baseline, seed 003 App. B.2; CLIP at 1/0.07)."""
+    it at 1.0 for its InfoNCE baseline, PCME++ App. B.2; CLIP at 1/0.07)."""
 
 
 def clip_loss(out, cfg: ClipConfig, *, targets=None, masked=None, masked_rows=None, rng=None, mesh=None):
@@ -118,7 +118,7 @@ siglip = types.SimpleNamespace(Config=SiglipConfig, loss=siglip_loss, NEEDS_LOGV
 # -------------------------------------------------------------------------------------- vse
 @dataclasses.dataclass(frozen=True)
 class VseConfig:
-    margin: float = 0.2  # VSE∞'s margin, as configured by PCME++ (seed 003 App. B.2)
+    margin: float = 0.2  # VSE∞'s margin, as configured by PCME++ (PCME++ App. B.2)
     # True: hardest negative (VSE++). False: VSE0's sum over negatives throughout.
     max_violation: bool = True
     # VSE∞'s warm-up (vse_mean_warmup_epochs in its train.py): the sum over negatives for the

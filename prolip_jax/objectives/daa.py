@@ -1,8 +1,8 @@
-"""DAA: the differentiable ASP approximation (seed 004 §4.2; DAA's criterions/DAA.py), as a
+"""DAA: the differentiable ASP approximation (DAA §4.2; DAA's criterions/DAA.py), as a
 regulariser on a base objective: "pcme_daa" (PCME + DAA, the paper's PCME-bert + DAA) and
 "vse_daa" (the VSE-infinity hardest-negative triplet + DAA, PCME++'s DAA baseline).
 
-ASP (seed 004 §4.1, eq. 4) of a query q over the retrieved set Omega compares each item's rank
+ASP (DAA §4.1, eq. 4) of a query q over the retrieved set Omega compares each item's rank
 under the model's similarity list S with its rank under a semantic list C:
     ASP_q = 1/|Omega| sum_i min(R(i, C), R(i, S)) / max(R(i, C), R(i, S)),
     R(i, U) = 1 + sum_{j != i} 1{u_j > u_i}                                 (eq. 8, 10)
@@ -248,7 +248,7 @@ def _pcme_daa_loss(out, cfg: PcmeDaaConfig, *, targets=None, masked=None, masked
 pcme_daa = types.SimpleNamespace(
     Config=PcmeDaaConfig, loss=_pcme_daa_loss, NEEDS_LOGVAR=True, USES_MASKED=False,
     SOFT_TARGETS=False,  # the binary-positive semantic map; MSDA's mixed images are untested here
-    __doc__="PCME + DAA (seed 004 §4.2; DAA's criterions/probemb.py with daa_beta).")
+    __doc__="PCME + DAA (DAA §4.2; DAA's criterions/probemb.py with daa_beta).")
 
 
 @functools.cache
@@ -278,7 +278,7 @@ def _vse_daa():
 
     return types.SimpleNamespace(
         Config=VseDaaConfig, loss=loss, NEEDS_LOGVAR=base.NEEDS_LOGVAR, USES_MASKED=base.USES_MASKED,
-        SOFT_TARGETS=False, USES_STEP=True, __doc__="VSE-infinity triplet + DAA (PCME++'s DAA baseline, seed 003).")
+        SOFT_TARGETS=False, USES_STEP=True, __doc__="VSE-infinity triplet + DAA (PCME++'s DAA baseline, PCME++).")
 
 
 def __getattr__(name: str):

@@ -22,7 +22,7 @@ A logvar of None is a point mass (a mu-only tower): allowed where the distance s
 (`csd`, `wasserstein`); the others divide by or take the log of sigma^2 and raise ValueError.
 
 Inclusion (ProLIP §3.3 eq. 3-4; asymmetric, so not in DISTANCES; used by ProLIP's inclusion
-loss and the HierarCaps / uncertainty evaluators). The reference code (REFERENCE §2.4) evaluates
+loss and the HierarCaps / uncertainty evaluators). The reference code (naver-ai/prolip src/prolip/loss.py) evaluates
     inc(1->2) = -2 l1 - l2 - 1/2 log A + B^2 / 4A - C,
     A = e^{eps-l1} + 1/2 e^{eps-l2}, B = 2 mu1 e^{eps-l1} + mu2 e^{eps-l2},
     C = mu1^2 e^{eps-l1} + 1/2 mu2^2 e^{eps-l2}

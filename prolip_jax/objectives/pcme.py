@@ -1,13 +1,13 @@
-"""PCME (Chun et al. 2021) as DAA uses it (seed 004 §3 "Preliminaries"; DAA's criterions/probemb.py).
+"""PCME (Chun et al. 2021) as DAA uses it (DAA §3 "Preliminaries"; DAA's criterions/probemb.py).
 
 Each input is a Gaussian N(mu, sigma^2); J reparameterised samples z = mu + eps * sigma are drawn
 per input (eps ~ N(0, I) from the `rng` argument, fresh every step). The match probability of an
-image-caption pair is the Monte-Carlo mean over the J x J sample pairs (seed 004 eq. 3)
+image-caption pair is the Monte-Carlo mean over the J x J sample pairs (DAA eq. 3)
 
     p(m | v, t) = 1/J^2 sum_{j,j'} sig(s_jj'),   s = -a ||z_v^j - z_t^j'|| + b,
 
 with the code's sigmoid sig(x) = e^x / (e^x + e^-x) = sigmoid(2x) and the code's distance
-sqrt(sum (z_v - z_t)^2 + 1e-6). The loss is the soft-contrastive NLL (seed 004 eq. 2),
+sqrt(sum (z_v - z_t)^2 + 1e-6). The loss is the soft-contrastive NLL (DAA eq. 2),
 -log p for a matching pair and -log(1 - p) otherwise, computed as the code does in log space,
     -log p = log J^2 - logsumexp_k log sigmoid(2 s_k)   (= soft_contrastive_nll with m = +1),
 and SUMMED over all B x B pairs (the code's reduction='sum'), once image-to-text and once
@@ -56,7 +56,7 @@ UNIFORM_T = 2.0  # probemb.py uniform_loss(t=2)
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    num_samples: int = 5  # J, DAA's COCO config (seed 004 §5.2 "5 probabilistic samples")
+    num_samples: int = 5  # J, DAA's COCO config (DAA §5.2 "5 probabilistic samples")
     vib_beta: float = 1e-5  # DAA's COCO config
     vib_form: Literal["code", "kl"] = "code"
     uniform_lambda: float = 0.0  # DAA's COCO config (CUB: 10)

@@ -1,4 +1,4 @@
-"""PCME++ (seed 003 §2; the authors' pcmepp/criterions/pcmepp.py and pcmepp/engine.py).
+"""PCME++ (PCME++ §2; the authors' pcmepp/criterions/pcmepp.py and pcmepp/engine.py).
 
     logits  l_ij = -a d(Z_v_i, Z_t_j) + b            d = CSD (eq. 1) or a Table 4 ablation distance
     total   = 2 * mean_ij BCE(l, m~)                                           "match"    (eq. 2)
@@ -57,7 +57,7 @@ MU_ONLY_DISTANCES = ("csd", "wasserstein")
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Defaults: the paper's COCO setting (seed 003 §3.1, App. B.2) and the code's smoothing."""
+    """Defaults: the paper's COCO setting (PCME++ §3.1, App. B.2) and the code's smoothing."""
 
     # Table 4: "kl" is KL(image || text); the closed forms are in distances.py.
     distance: Literal["csd", "kl", "wasserstein", "elk", "bhattacharyya"] = "csd"
@@ -88,7 +88,7 @@ def smooth_targets(targets: jax.Array, smoothing: float) -> jax.Array:
 
 
 def pseudo_positive_targets(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Row-wise PP relabelling of `_recompute_matched` (seed 003 §2.3): every entry of row i whose
+    """Row-wise PP relabelling of `_recompute_matched` (PCME++ §2.3): every entry of row i whose
     logit is >= the logit of row i's GT column gets row i's GT label."""
     gt_idx = jnp.argmax(targets, axis=1)
     gt_label = jnp.max(targets, axis=1, keepdims=True)

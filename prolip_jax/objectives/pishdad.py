@@ -1,7 +1,7 @@
-"""Pishdad et al., probabilistic VSE (seed 001 §3.2, §4.2 and appendix 6.1).
+"""Pishdad et al., probabilistic VSE (Pishdad et al. §3.2, §4.2 and appendix 6.1).
 
 VSE++'s hinge triplet loss with hardest in-batch negatives, unchanged, on a similarity between
-the image and caption Gaussians (seed 001 eq. 3):
+the image and caption Gaussians (Pishdad et al. eq. 3):
 
     L = sum over positive pairs (i, c) of  max_c' [m + s(i, c') - s(i, c)]_+ + max_i' [m + s(i', c) - s(i, c)]_+
 
@@ -58,7 +58,7 @@ class Config:
     variance_min: float = 0.1
     variance_max: float = 10.0
     variance_bound: Literal["clip", "tanh"] = "clip"
-    # True: the hardest negative (seed 001 eq. 3). False: the sum over negatives (VSE0), the
+    # True: the hardest negative (Pishdad et al. eq. 3). False: the sum over negatives (VSE0), the
     # warm-up that VSE∞ uses before switching; from random towers the hardest negative alone
     # collapses (benchmarks/methods_synthetic.py).
     max_violation: bool = True

@@ -1,4 +1,4 @@
-"""PCME + Smooth-AP: DAA's Smooth-AP baseline (seed 004 §5.4, Table 4 "B + Smooth-AP" with B =
+"""PCME + Smooth-AP: DAA's Smooth-AP baseline (DAA §5.4, Table 4 "B + Smooth-AP" with B =
 PCME-bert; DAA's criterions/DAA.py `Smooth_AP`, added to PCME by probemb.py with weight ap_beta).
 
 Smooth-AP (Brown et al. 2020) relaxes average precision with the same clamped sigmoid as DAA

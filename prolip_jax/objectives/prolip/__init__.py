@@ -1,9 +1,9 @@
 """ProLIP (Chun et al., "Probabilistic Language-Image Pre-Training" §3.2-3.3): PPCL + inclusion
-losses + VIB, as pure functions of arrays (REFERENCE §2).
+losses + VIB, as pure functions of arrays (naver-ai/prolip src/prolip/loss.py).
 
 Shapes: mu / logvar are [B, D] float (mu L2-normalised, logvar = log sigma^2). Every function
 computes *global-batch* semantics: under `jit` with a sharded batch the compiler distributes the
-B x B logits; how the batch is spread over devices never changes the value (REFERENCE §2.7: the
+B x B logits; how the batch is spread over devices never changes the value (naver-ai/prolip src/prolip/loss.py: the
 intended loss, not the reference's even-world-size ring bug).
 
 Where the pieces are: PPCL's formula and its mesh layouts (sharded logits, ppermute ring) in
@@ -51,7 +51,7 @@ VIB_FORMS = ("reference", "kl")
 
 
 def vib_loss(mu: jax.Array, logvar: jax.Array, form: str = "reference", threshold: float = 1e4) -> jax.Array:
-    """VIB regulariser, mean over B x D, guarded at > 1e4 (REFERENCE §2.5).
+    """VIB regulariser, mean over B x D, guarded at > 1e4 (naver-ai/prolip src/prolip/loss.py).
 
     form='reference': what the code computes after its "pcmepp issue #4" fix, with
         log sigma = logvar / 2: -1/2 (1 + log sigma - mu^2 - sigma).

@@ -4,7 +4,7 @@ Language-Image Pre-Training" §3.2 eq. 2), on one device and over a device mesh.
 `ppcl_loss` is the formula. Over a mesh, `global_ppcl_loss` / `make_ppcl_loss` give exactly
 `ppcl_loss` of the gathered batch: -sum log sigmoid(z_ij l_ij) over all B x B pairs /
 B_global, z = +1 on the global diagonal and -1 elsewhere. This is the intended loss of
-REFERENCE §2.7, not the reference ring, which for even world sizes skips the opposite rank's
+naver-ai/prolip src/prolip/loss.py, not the reference ring, which for even world sizes skips the opposite rank's
 texts and counts another block twice.
 
 - "dense" (`ppcl_loss_sharded`): `ppcl_loss` under jit with the batch sharded; the
@@ -43,7 +43,7 @@ def ppcl_logits(img_mu: jax.Array, img_logvar: jax.Array, txt_mu: jax.Array, txt
 
 def ppcl_loss(img_mu: jax.Array, img_logvar: jax.Array, txt_mu: jax.Array, txt_logvar: jax.Array,
               scale: jax.Array, bias: jax.Array, targets: jax.Array | None = None) -> jax.Array:
-    """-sum log sigmoid(z_ij * logit_ij) / B with z = 2I - 1 (ProLIP eq. 2, REFERENCE §2.2).
+    """-sum log sigmoid(z_ij * logit_ij) / B with z = 2I - 1 (ProLIP eq. 2, naver-ai/prolip src/prolip/loss.py).
 
     targets: [B_img, B_txt] match targets m in [0, 1] instead of the identity; the loss is then
     the BCE -sum [m log sigmoid(l) + (1 - m) log sigmoid(-l)] / B, which for 0/1 targets is
@@ -178,7 +178,7 @@ def ppcl_loss_ring(img_mu: jax.Array, img_logvar: jax.Array, txt_mu: jax.Array, 
     rows = P(axes)
     total = jax.shard_map(local, mesh=mesh, in_specs=(rows,) * 4 + (P(), P()), out_specs=P())(
         img_mu, img_logvar, txt_mu, txt_logvar, jnp.asarray(scale), jnp.asarray(bias))
-    return total / img_mu.shape[0]  # REFERENCE §2.7: all pairs / B_global
+    return total / img_mu.shape[0]  # naver-ai/prolip src/prolip/loss.py: all pairs / B_global
 
 
 # ------------------------------------------------------------------------------- dispatch
