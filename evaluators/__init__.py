@@ -21,7 +21,8 @@ class Evaluator(Protocol):
     `Config`; `run` reads its data (its own reader, on input_pipeline.eval_data),
     encodes sharded over all hosts' devices and yields the same (name, value) pairs on every
     host. `progress(k)` is called with the number of items this host encoded. Optional
-    attributes: `arrays` (per-item numpy arrays of the last run, for plots) and `encoder`."""
+    attributes: `arrays` (per-item numpy arrays of the last run, for plots), `encoder`, and
+    `HEADLINE`: regexes of the few metrics the trainer's console line shows (all go to the files)."""
 
     def run(self, params: Any, progress: Callable[[int], None] | None = None
             ) -> Iterator[tuple[str, float]]: ...

@@ -289,6 +289,7 @@ def load_data(cfg: Config) -> EvalSet:
 # ------------------------------------------------------------------------------ evaluator
 class Evaluator:
     """HierarCaps traversal; config keys and metrics in the module docstring."""
+    HEADLINE = (r"/precision$", r"/R@1$")  # the metrics the trainer's console line shows (regexes)
 
     def __init__(self, config: Mapping[str, Any], model: Any, tokenizer: Any = None):
         self.config = c = parse_config(Config, config, "hierarcaps")

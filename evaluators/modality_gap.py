@@ -36,6 +36,7 @@ class Config(retrieval.PairedSet):
 
 class Evaluator:
     """`run(params)` yields ("modality_gap/<name>/<metric>", value); see the module docstring."""
+    HEADLINE = (r"/gap$",)  # the metric the trainer's console line shows (a regex)
 
     def __init__(self, config: Any, model: Any, tokenizer: Any = None):
         self.config = c = parse_config(Config, config, "modality_gap")

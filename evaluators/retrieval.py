@@ -365,6 +365,7 @@ class Evaluator:
       <prefix>/{i2i,t2t}_R@{1,5,10}, {i2i,t2t}_rprecision, {i2i,t2t}_map_at_r,
         {i2i,t2t}_num_queries (those with >= 1 positive), and with unc_bins {i2i,t2t}/unc_bin...
     """
+    HEADLINE = (r"(^|/)(i2t|t2i)_R@1$",)  # the metrics the trainer's console line shows (regexes)
 
     def __init__(self, config: Any, model: Any, tokenizer: Any = None, data: EvalSet | None = None):
         """data: an already opened set (else the config's, loaded on first use)."""

@@ -336,6 +336,7 @@ def averages(rows: list[dict]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- the evaluator
 class Evaluator:
     """DataComp 38-task suite (see the module docstring); registered as "datacomp38"."""
+    HEADLINE = (r"suite/average$",)  # the metrics the trainer's console line shows (regexes)
 
     def __init__(self, config: Any, model: Any, tokenizer: Callable | None = None):
         self.config = c = common.parse_config(Config, config, "datacomp38")

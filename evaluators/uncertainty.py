@@ -196,6 +196,7 @@ class Evaluator:
     read for its `pad_id` / `eos_id` / `mask_id` when the config does not set them (the demo
     brings its own); the data are token ids already.
     """
+    HEADLINE = (r"/image_below_text_rate$", r"/inclusion_image_in_masked_rate$", r"/order_adjacent_rate$")
 
     def __init__(self, config: Mapping[str, Any], model: ProLIP, tokenizer: Any = None):
         self.config = c = parse_config(Config, config, "uncertainty")

@@ -359,6 +359,7 @@ def imagefolder_classnames(info: dict[str, Any], classnames: Any) -> list[str]:
 class Evaluator:
     """Zero-shot classification of one image set (`Config`; metrics in the module docstring)."""
     KIND = "zeroshot"
+    HEADLINE = (r"/top1_[a-z]+$",)  # the metrics the trainer's console line shows (regexes)
 
     def __init__(self, config: Any, model: Any, tokenizer: Callable[[Sequence[str]], np.ndarray] | None = None):
         self.config = c = self.parse(config)

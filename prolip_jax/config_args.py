@@ -4,6 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from prolip_jax import messages
+
 
 def parse(arg: str | None, **defaults: str) -> dict[str, str]:
     """`defaults` updated from the comma-separated `key=value` pairs of `arg`; unknown keys are
@@ -52,5 +54,5 @@ def check_overrides(config: Any, argv: list[str], prefix: str = "--config.") -> 
                 hint = f"did you mean {where}.{near[0]}? " if near else ""
                 what = f"{where} has no field {key!r}" if fields else f"{where} is not a section"
                 raise ValueError(f"{item.partition('=')[0]}: {what}; {hint}"
-                                 f"the fields of {where}: {', '.join(sorted(fields)) or 'none'}")
+                                 f"the fields of {where}: {messages.few(sorted(fields), 8) or 'none'}")
             node, where = node[key], f"{where}.{key}"

@@ -7,7 +7,8 @@
   is kept, so a NaN loss is visible and every line has the same keys.
 * writes each value as a TensorBoard scalar into `WORKDIR/tb/` through tensorboardX (no
   TensorFlow needed); non-finite values go to TensorBoard unchanged (it plots them as gaps).
-* prints `[  1200/78800   1.5%] ETA 3h12m | loss 1.234 | lr 5e-04 ...` to stdout, the ETA
+* prints `[  1200/78800   1.5%] ETA 3h12m | loss 1.234 | lr 5e-04 ...` to stdout (the names in
+  `console` when given: the trainer shows each evaluator's headline metrics only), the ETA
   from the wall time per step over the last `eta_window` writes (the interval before the
   first write, which holds compilation, is never part of it). Per-reason skip counters
   ("data/skipped/<reason>") are left off the line while they are 0: they stay in the files.
@@ -31,7 +32,7 @@ import os
 import struct
 import sys
 import time
-from typing import Any, Callable, Mapping, TextIO
+from typing import Any, Callable, Collection, Mapping, TextIO
 
 import numpy as np
 
@@ -150,8 +151,9 @@ class MetricWriter:
             f.writelines(self._remote_lines)
 
     # ---------------------------------------------------------------------------------- writing
-    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Log `metrics` (name -> scalar) for `step` to all three sinks."""
+    def write(self, step: int, metrics: Mapping[str, Any], console: Collection[str] | None = None) -> None:
+        """Log `metrics` (name -> scalar) for `step` to the files; the stdout line shows those
+        named in `console` (default: all) and how many more the files hold."""
         if not self.is_chief:
             return
         if self._tb is None:
@@ -175,7 +177,12 @@ class MetricWriter:
         self._tb.flush()
 
         self._times.append((step, self._clock()))
-        print(self.progress_line(step, values), file=self._stream or sys.stdout, flush=True)
+        keep = values.keys() if console is None else set(console)
+        shown = {k: v for k, v in values.items() if k in keep}
+        line = self.progress_line(step, shown)
+        if len(shown) < len(values):
+            line += f" | +{len(values) - len(shown)} more in {JSONL_NAME}"
+        print(line, file=self._stream or sys.stdout, flush=True)
 
     def seconds_per_step(self) -> float | None:
         """Wall seconds per step over the last `eta_window` writes; None before two writes."""

@@ -1,6 +1,7 @@
 """The parameter table big_vision prints at the start of a run, from `clu.parameter_overview`.
 
     print(parameter_table(params))
+    print(write_parameter_table(workdir, params))   # the table to a file, one summary line back
 
 clu's table (name, shape, dtype, size, and the PartitionSpec of each sharded jax.Array) and its
 total, then one line per top-level entry (the towers `visual` and `text`, `logit_scale`,
@@ -48,8 +49,14 @@ def parameter_table(params: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def summary(params: Mapping[str, Any]) -> str:
+    """One line: the total and each top-level entry's count, largest first."""
+    totals = sorted(tower_totals(params).items(), key=lambda kv: -kv[1])
+    return (f"{_size(params)[0]:,} parameters (" + ", ".join(f"{k} {n:,}" for k, n in totals) + ")")
+
+
 def write_parameter_table(workdir: str | Path, params: Mapping[str, Any]) -> str:
-    """Writes the table to `<workdir>/parameters.txt` and returns it."""
-    text = parameter_table(params)
-    (Path(workdir) / PARAMETERS_NAME).write_text(text + "\n")
-    return text
+    """Writes the table to `<workdir>/parameters.txt`; returns the one line the trainer prints."""
+    path = Path(workdir) / PARAMETERS_NAME
+    path.write_text(parameter_table(params) + "\n")
+    return f"{summary(params)}; the table: {path}"

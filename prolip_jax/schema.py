@@ -22,6 +22,8 @@ import types
 import typing
 from typing import Any, Literal, Mapping
 
+from prolip_jax import messages
+
 _SCALARS = (bool, int, float, str)
 
 
@@ -68,7 +70,7 @@ def check_keys(given: Any, known: Any, where: str) -> None:
         close = difflib.get_close_matches(unknown[0], list(known), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"unknown field(s) {unknown} in {where}{hint}; the fields of {where} are: "
-                         f"{', '.join(sorted(known))}")
+                         f"{messages.few(sorted(known), 8)}")
 
 
 def parse(cls: type, section: Mapping[str, Any] | None, where: str) -> Any:

@@ -9,11 +9,20 @@ optimiser, step and the data iterator's position); SIGTERM saves a checkpoint an
 """
 from __future__ import annotations
 
+# The imports below wait until `--help` is answered: jax and the project take seconds to load.
+import sys
+
+from prolip_jax import train_flags
+
+if __name__ == "__main__":
+    train_flags.exit_if_help(sys.argv, __doc__)
+
 import dataclasses
+import difflib
 import json
 import os
+import re
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -29,7 +38,7 @@ from input_pipeline.config import SOURCES as DATA_SOURCES
 from input_pipeline.config import DataConfig
 from prolip_jax import checkpoint as ckpt_lib
 from prolip_jax import flops as flops_lib
-from prolip_jax import config_args, objectives, optim, overview, profiling, schema, sharding
+from prolip_jax import config_args, messages, objectives, optim, overview, profiling, schema, sharding
 from prolip_jax import step as step_lib
 from prolip_jax.data import build_train_data
 from prolip_jax.metrics import MetricWriter
@@ -245,6 +254,33 @@ def build_evaluators(run: RunConfig, model: ProLIP) -> list[tuple[dict, Any]]:
     return built
 
 
+def headline(evaluator: Any, values: dict[str, Any]) -> list[str]:
+    """The names of `values` (one evaluator's metrics) that the console line shows: those matching
+    a regex of the evaluator's `HEADLINE` (declared in its module). Every metric still goes to
+    metrics.jsonl and TensorBoard."""
+    patterns = getattr(evaluator, "HEADLINE", ())
+    return [k for k in values if any(re.search(p, k) for p in patterns)]
+
+
+def evaluate_command(workdir: Path, data: dict[str, Any]) -> str:
+    """The command that evaluates the checkpoint of `workdir` (scripts/evaluate.py) with the eval
+    config that fits the run's data (configs/eval/): the demo's, the caption benchmark's with the
+    run's own paths, or zero-shot on an ImageFolder the user names."""
+    def here(path: Path) -> str:  # relative to the working directory when inside it
+        return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+
+    source = data.get("source", "random")
+    config, flags = {
+        "demo": ("demo.py", ""), "random": ("demo.py", ""),
+        "cub": ("cub.py", f" --config.root={data.get('image_root')}"),
+        "coco_karpathy": ("coco.py", f" --config.karpathy_json={data.get('caption_file')} "
+                                     f"--config.image_root={data.get('image_root')}"),
+    }.get(source, ("imagefolder.py", " --config.root=YOUR_IMAGEFOLDER"))
+    root = Path(__file__).resolve().parents[1]
+    return (f"python {here(root / 'scripts' / 'evaluate.py')} --checkpoint {workdir} "
+            f"--config {here(root / 'configs' / 'eval' / config)} --out {workdir / 'eval'}{flags}")
+
+
 def warm_started(state: step_lib.TrainState, apply: Any, shardings: step_lib.TrainState, workdir: Path,
                  is_chief: bool) -> step_lib.TrainState:
     """`state` with the params of `warm_start.prepare(config.init, ...)`: the pretrained ones where
@@ -257,8 +293,8 @@ def warm_started(state: step_lib.TrainState, apply: Any, shardings: step_lib.Tra
     params = jax.tree.map(lambda x, sh: jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx]),
                           params, shardings.params)
     if is_chief:
-        print(report.table(), flush=True)
         report.write(workdir)
+        print(f"{report.summary()}; the table: {workdir / 'warm_start.txt'}", flush=True)
     return state.replace(params=params)
 
 
@@ -366,7 +402,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
         state = restore(mngr, start, model, tx, state_sh, mesh, tc, param_shapes, data)
         if is_chief:
             print(f"resumed from {workdir / 'checkpoints' / str(start)} (step {start})", flush=True)
-    if is_chief:  # clu.parameter_overview's table with per-tower totals and shardings (overview.py)
+    if is_chief:  # clu.parameter_overview's table to WORKDIR/parameters.txt, one line here (overview.py)
         print(overview.write_parameter_table(workdir, state.params), flush=True)
 
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -430,15 +466,23 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
     step = start
     try:
         if run.eval_at_start and start == 0 and evaluators:
-            values = {settings["prefix"] + k: v for settings, evaluator in evaluators
-                      for k, v in evaluator.run(state.params)}
+            values, shown = {}, []
+            for settings, evaluator in evaluators:
+                evaluated_values = {settings["prefix"] + k: v for k, v in evaluator.run(state.params)}
+                values.update(evaluated_values)
+                shown += headline(evaluator, evaluated_values)
             logged.update(values)
-            writer.write(0, values)
+            writer.write(0, values, console=shown)
             t_log = time.time()  # the evaluation is not training step time
         while step < run.total_steps:
             batch = sharding.global_batch(next(data), mesh)
             profiler.before_step(step)
+            if step == start and is_chief:
+                print("compiling the train step...", flush=True)
+            t_step = time.time()
             state, metrics = train_step(state, batch)
+            if step == start and is_chief:  # the call returns once compiled; the step runs on
+                print(f"compiled in {time.time() - t_step:.1f} s", flush=True)
             window.add(metrics)
             step += 1
             profiler.after_step(step, (state, metrics))
@@ -476,10 +520,13 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
                     values["mfu"] = mfu
             else:
                 values = {}
+            hidden: set[str] = set()  # evaluator metrics left off the console line
             for settings, evaluator in evaluators:
                 if step % settings["log_steps"] == 0 or step == run.total_steps:
                     t_eval = time.time()
-                    values.update({settings["prefix"] + k: v for k, v in evaluator.run(state.params)})
+                    evaluated_values = {settings["prefix"] + k: v for k, v in evaluator.run(state.params)}
+                    values.update(evaluated_values)
+                    hidden.update(set(evaluated_values) - set(headline(evaluator, evaluated_values)))
                     t_log += time.time() - t_eval  # evaluation time is not training step time
                     evaluated.add(settings["name"])
             logged.update(values)
@@ -488,10 +535,13 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
                     print(f"step {step}: best {best.metric} so far ({values[best.metric]:.4g}), kept in "
                           f"{workdir / 'best'}", flush=True)
             elif best is not None and len(evaluated) == len(evaluators) and values and best.metric not in logged:
-                raise ValueError(f"config.keep_best.metric={best.metric!r} is not a logged metric; the metrics "
-                                 f"are: {', '.join(sorted(logged))}")
+                near = difflib.get_close_matches(best.metric, logged, n=3, cutoff=0.6)
+                hint = (f"did you mean {messages.few(near)}?" if near else
+                        f"the {len(logged)} logged: {messages.few(sorted(logged), 5)}")
+                raise ValueError(f"config.keep_best.metric={best.metric!r} is not a logged metric (set "
+                                 f"--config.keep_best.metric); {hint}")
             if values:
-                writer.write(step, values)
+                writer.write(step, values, console=[k for k in values if k not in hidden])
                 last_metrics = values
             if step % run.checkpoint_steps == 0 and step < run.total_steps:
                 save(step)
@@ -508,6 +558,9 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
         mngr.wait_until_finished()
         if tc.optim.swa_every_steps:
             save_swa(workdir / "swa", state, step, mcfg, getattr(data, "tokenizer_file", None), is_chief)
+        if is_chief:
+            print(f"done: the checkpoint of step {step} is {ckpt_dir / str(step)}; evaluate it with\n  "
+                  + evaluate_command(workdir, tc.data), flush=True)
         return last_metrics
     finally:
         profiler.stop()
@@ -579,12 +632,9 @@ def parse_command_line(argv: list[str]) -> tuple[Any, Any]:
     config_args.check_overrides(config, argv)
     fv = flags.FlagValues()  # not absl's global FLAGS: parsing twice in one process is fine
     holder = config_flags.DEFINE_config_dict("config", config, lock_config=True, flag_values=fv, sys_argv=argv)
-    flags.DEFINE_string("workdir", None, "checkpoints, metrics.jsonl and TensorBoard events go here",
-                        flag_values=fv, required=True)
-    flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host without "
-                        "auto-detection)", flag_values=fv)
-    flags.DEFINE_integer("num_processes", None, "number of processes (with --coordinator_address)", flag_values=fv)
-    flags.DEFINE_integer("process_id", None, "this process's index (with --coordinator_address)", flag_values=fv)
+    define = {"string": flags.DEFINE_string, "integer": flags.DEFINE_integer}
+    for name, kind, _, text in train_flags.FLAGS:  # declared once, beside the help (train_flags.py)
+        define[kind](name, None, text, flag_values=fv, required=name == "workdir")
     fv(argv)
     return holder.value, fv
 
@@ -595,8 +645,8 @@ def main(argv: list[str] | None = None) -> None:
     from absl import flags, logging
 
     argv = list(sys.argv if argv is None else argv)
-    if any(a in ("-h", "--help", "--helpshort") for a in argv[1:]):
-        print(__doc__)
+    if any(a in train_flags.HELP_ARGS for a in argv[1:]):
+        print(train_flags.help_text(argv, __doc__))
         return
 
     def fail(e: BaseException) -> None:

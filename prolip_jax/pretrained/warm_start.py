@@ -14,8 +14,8 @@ Every target parameter is one of
              initialisation at any shape (PCME++'s new 1024-d projections on CLIP's trunks)
 and every source parameter without a place in the target (SigLIP's MAP head and patch bias,
 ...) is `dropped`. Anything else whose shape differs (another width, layer count, patch
-size) is an unexpected mismatch: a ValueError naming each parameter with both shapes, raised
-before any array is touched.
+size) is an unexpected mismatch: a ValueError giving their count and the first few with both
+shapes (an example of each kind of misfit first), raised before any array is touched.
 
 Sizes are adapted as naver-ai/prolip's `factory.load_checkpoint` does (src/prolip/model.py
 `resize_prolip_pos_embed`, `resize_prolip_text_pos_embed`, `resize_prolip_tok_embed`; see
@@ -33,6 +33,7 @@ from typing import Any, Callable, Literal, Mapping
 
 import numpy as np
 
+from prolip_jax import messages
 from prolip_jax.models.config import ProLIPConfig
 from prolip_jax.pretrained.loader import load_pretrained
 
@@ -264,8 +265,9 @@ def _matcher(patterns: tuple[str, ...]) -> re.Pattern:
 
 def _check(fresh: Mapping[str, np.ndarray], src: Mapping[str, np.ndarray], fresh_patterns: tuple[str, ...] = ()
            ) -> None:
-    """Every difference must be one warm_start knows how to bridge; else one error naming all."""
-    problems = []
+    """Every difference must be one warm_start knows how to bridge; else one short error: the
+    count, an example of each kind of misfit first, then a few more, and the flags to change."""
+    problems: list[tuple[str, str]] = []  # (kind of misfit, text)
     fresh_match = _matcher(fresh_patterns)
     if fresh_patterns and not any(fresh_match.search(n) for n in set(fresh) & set(src)):
         raise ValueError(f"config.init.fresh={fresh_patterns!r} matches no parameter that the source and the target "
@@ -277,19 +279,25 @@ def _check(fresh: Mapping[str, np.ndarray], src: Mapping[str, np.ndarray], fresh
             a, b = fresh[name].shape, src[name].shape
             if name in _RESIZABLE:
                 if a[-1] != b[-1]:
-                    problems.append(f"{name}: target {a}, source {b} (the width differs)")
+                    problems.append(("width", f"{name}: target {a}, source {b} (the width differs)"))
                 elif name == "text/token_embedding" and a[0] < b[0]:
-                    problems.append(f"{name}: target {a}, source {b} (a smaller vocabulary: a warm start "
-                                    "only pads one)")
+                    problems.append(("vocab", f"{name}: target {a}, source {b} (a smaller vocabulary: a warm "
+                                              "start only pads one)"))
             elif a != b:
-                problems.append(f"{name}: target {a}, source {b}")
+                problems.append(("shape", f"{name}: target {a}, source {b}"))
         elif not _OPTIONAL.match(name):
             where, shape = ("target", fresh[name].shape) if name in fresh else ("source", src[name].shape)
-            problems.append(f"{name}: only in the {where} {shape}")
+            problems.append((where, f"{name}: only in the {where} {shape}"))
     if problems:
-        raise ValueError(f"warm start: {len(problems)} parameter(s) of the source do not fit the target "
-                         f"model (another width, layer count, patch size or an unknown family?):\n  "
-                         + "\n  ".join(problems))
+        first: dict[str, str] = {}
+        for kind, text in problems:
+            first.setdefault(kind, text)  # an example of each kind of misfit leads
+        ordered = [*first.values(), *(text for _, text in problems if text not in first.values())]
+        raise ValueError(f"warm start: {len(problems)} parameter(s) of the source do not fit the target model "
+                         f"(another width, layer count, patch size or an unknown family?): "
+                         f"{messages.few(ordered, 3, '; ')}. Point --config.init.path at a model of this "
+                         "architecture or set --config.model.variant (or --config.model.config_json) to the "
+                         "source's; --config.init.fresh keeps chosen parameters at their fresh initialisation")
 
 
 # ------------------------------------------------------------------------------------------
