@@ -15,17 +15,19 @@ directory and renames it when complete, so an interrupted save never looks like 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from prolip_jax import library_logs
 from prolip_jax.models.config import ProLIPConfig
 from prolip_jax.models.prolip import abstract_params
 
@@ -69,6 +71,24 @@ def resolve(path: str | os.PathLike, step: int | None = None) -> tuple[Path, int
     return path, step
 
 
+def _intact_first(*items: str) -> Callable:
+    """`read(path, step, ...)` that first checks the step (`check_step` of `items`): a damaged one
+    is one DamagedCheckpoint line instead of orbax's and tensorstore's tracebacks. Library
+    logging stays off the console meanwhile."""
+    def decorate(read: Callable) -> Callable:
+        @functools.wraps(read)
+        def wrapper(path: str | os.PathLike, step: int | None = None, *args: Any, **kwargs: Any) -> Any:
+            root, step = resolve(path, step)  # a missing path: its own one-line error
+            with library_logs.to_file(None):
+                problem = check_step(root, step, items)
+                if problem:
+                    raise damaged_error(root, step, problem)
+                return read(path, step, *args, **kwargs)
+        return wrapper
+    return decorate
+
+
+@_intact_first()
 def load_config(path: str | os.PathLike, step: int | None = None) -> tuple[ProLIPConfig, dict, int]:
     """(model config, the whole metadata dict, step) of a checkpoint, without reading params."""
     root, step = resolve(path, step)
@@ -88,6 +108,7 @@ def training_normalization(meta: Mapping[str, Any]) -> Any:
     return tuple(tuple(x) for x in found) if isinstance(found, list) else found  # JSON: a (mean, std) pair
 
 
+@_intact_first(PARAMS)
 def load_params(path: str | os.PathLike, step: int | None = None,
                 sharding: jax.sharding.Sharding | Any | None = None) -> tuple[dict, ProLIPConfig, int]:
     """(params, config, step). `sharding`: one Sharding for every leaf or a matching pytree of
@@ -112,6 +133,113 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
         return True
     except (FileNotFoundError, ValueError):
         return False
+
+
+# ----------------------------------------------------------------------------------------
+# Damaged steps: files cut short or missing (a disk that filled during a copy, a bucket sync
+# cut off), arrays that do not match their recorded shape or dtype, non-finite values.
+# ----------------------------------------------------------------------------------------
+class DamagedCheckpoint(ValueError):
+    """A step folder whose files do not read back as recorded (`check_step` says what)."""
+
+
+def _check_arrays(item: epath.Path) -> str | None:
+    """What is wrong with the arrays of one orbax item folder, or None. Each array is opened and
+    read alone, synchronously, through tensorstore (what orbax writes with): an unreadable one
+    ends the check at once, with no reads left running (orbax's own restore leaves them to call
+    into its closed event loop, a traceback each on stderr)."""
+    import numpy as np
+    import tensorstore as ts
+
+    try:
+        tree = ocp.PyTreeCheckpointer().metadata(item).item_metadata
+    except Exception as e:  # noqa: BLE001 - any failure to read is the answer
+        return f"metadata unreadable, {_short(e)}"
+    if tree is None or getattr(tree, "tree", None) is None:
+        return "metadata unreadable, files missing or cut short"
+    uri = str(item) if "://" in str(item) else "file://" + os.path.abspath(str(item))
+    kvstore = ({"driver": "ocdbt", "base": uri.rstrip("/") + "/"} if (item / "manifest.ocdbt").exists()
+               else {"driver": "file", "path": uri.removeprefix("file://").rstrip("/") + "/"})
+    for recorded in jax.tree.leaves(tree.tree):
+        name = getattr(recorded, "name", None)
+        if name is None or not hasattr(recorded, "shape"):  # scalars kept in the metadata itself
+            continue
+        try:
+            array = ts.open({"driver": "zarr", "kvstore": kvstore, "path": name}, open=True).result()
+            value = array.read().result()
+        except Exception as e:  # noqa: BLE001
+            return _short(e) if str(name) in str(e) else f"{name}: {_short(e)}"
+        shape, dtype = tuple(recorded.shape), np.dtype(recorded.dtype)
+        if value.shape != shape or value.dtype != dtype:
+            return f"{name} is {value.dtype}{list(value.shape)}, recorded as {dtype}{list(shape)}"
+        if np.issubdtype(value.dtype, np.inexact) and not np.all(np.isfinite(value)):
+            return f"{name} holds non-finite values"
+    return None
+
+
+def check_step(root: str | os.PathLike, step: int, items: tuple[str, ...] | None = None) -> str | None:
+    """What is wrong with `root/<step>`, in a few words, or None when it is intact: the config
+    and data items parse, and every array of each array item (`items`; None: all)
+    reads back at the shape and dtype its metadata records, with finite values. One array at a
+    time in host memory."""
+    step_dir = epath.Path(root) / str(step)
+    meta = step_dir / CONFIG / "metadata"
+    try:
+        json.loads(meta.read_text())
+    except (OSError, ValueError) as e:
+        return f"{CONFIG}/metadata {'is missing' if isinstance(e, FileNotFoundError) else 'is not valid JSON'}"
+    for f in sorted((step_dir / DATA).glob("*.json")) if (step_dir / DATA).is_dir() else ():
+        try:
+            json.loads(f.read_text())
+        except ValueError:
+            return f"{DATA}/{f.name} is not valid JSON"
+    for name in (PARAMS, OPT_STATE, COUNTERS) if items is None else items:
+        item = step_dir / name
+        if not item.is_dir():
+            if name == PARAMS:
+                return f"{PARAMS}/ is missing"
+            continue
+        problem = _check_arrays(item)
+        if problem:
+            return f"{name} {problem}" if problem.startswith("metadata") else f"{name}/{problem}"
+    return None
+
+
+_READ_ERRORS = {"OUT_OF_RANGE": "a file is shorter than recorded", "NOT_FOUND": "a file is missing",
+                "FAILED_PRECONDITION": "a file is missing or cut short", "DATA_LOSS": "a file is corrupt"}
+
+
+def _short(e: BaseException) -> str:
+    """The gist of an orbax/tensorstore read error: the array it was reading and what went wrong."""
+    text = str(e)
+    code = re.match(r"([A-Z_]{4,}):", text)
+    array = re.search(r'Error reading "([^"/]+)', text)
+    what = _READ_ERRORS.get(code.group(1)) if code else None
+    if what is None:
+        what = (text.splitlines() or [type(e).__name__])[0][:120]
+    return f"{array.group(1)}: {what}" if array else what
+
+
+def move_aside(root: str | os.PathLike, step: int) -> str:
+    """Renames `root/<step>` to `<step>.corrupt` (or `.corrupt-2`, ...), never deleting it;
+    returns the new name. Checkpoint readers and orbax see only integer-named steps."""
+    root = epath.Path(root)
+    name, n = f"{step}.corrupt", 1
+    while (root / name).exists():
+        n += 1
+        name = f"{step}.corrupt-{n}"
+    (root / str(step)).rename(root / name)
+    return name
+
+
+def damaged_error(root: str | os.PathLike, step: int, problem: str) -> DamagedCheckpoint:
+    """The one-line error of the tools for a damaged step, naming the intact steps to pass instead."""
+    root = Path(root)
+    others = sorted((int(p.name) for p in root.iterdir() if p.name.isdigit() and int(p.name) != step), reverse=True)
+    hint = (f"pass an earlier step (--step; available: {', '.join(map(str, others[:5]))})" if others else
+            "no other step is saved here")
+    return DamagedCheckpoint(f"checkpoint {root / str(step)} is damaged ({problem}): {hint}; resuming the "
+                             "training run moves a damaged step aside by itself")
 
 
 # ----------------------------------------------------------------------------------------

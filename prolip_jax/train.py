@@ -38,7 +38,8 @@ from input_pipeline.config import SOURCES as DATA_SOURCES
 from input_pipeline.config import DataConfig
 from prolip_jax import checkpoint as ckpt_lib
 from prolip_jax import flops as flops_lib
-from prolip_jax import config_args, messages, objectives, optim, overview, profiling, schema, sharding
+from prolip_jax import config_args, library_logs, messages, objectives, optim, overview, profiling, schema, sharding
+from prolip_jax import paths
 from prolip_jax import step as step_lib
 from prolip_jax.data import build_train_data
 from prolip_jax.metrics import MetricWriter
@@ -312,6 +313,43 @@ def restore(mngr: ocp.CheckpointManager, step: int, model: ProLIP, tx: Any, shar
     return with_optimizer(state, tx, shardings)
 
 
+def newest_intact_step(mngr: ocp.CheckpointManager, is_chief: bool) -> int | None:
+    """The newest step of `mngr` that reads back as recorded (checkpoint.check_step: arrays
+    readable, shapes and dtypes as recorded, values finite), or None when there is no step. A
+    damaged step is renamed `<step>.corrupt` (never deleted) with one warning line, and the next
+    older one is tried; when every step was damaged, a DamagedCheckpoint names them. Process 0
+    checks and moves; the others take its answer."""
+    from jax.experimental import multihost_utils
+
+    moved: list[int] = []
+    found = None
+    if is_chief:
+        while (step := mngr.latest_step()) is not None:
+            problem = ckpt_lib.check_step(mngr.directory, step)
+            if problem is None:
+                found = step
+                break
+            name = ckpt_lib.move_aside(mngr.directory, step)
+            print(f"warning: checkpoint step {step} is damaged ({problem}); moved it to {mngr.directory / name} "
+                  f"and trying the step before", file=sys.stderr, flush=True)
+            mngr.reload()
+            moved.append(step)
+    if jax.process_count() > 1:  # -1: no step at all, -2: every step was damaged
+        code = found if found is not None else (-2 if moved else -1)
+        code = int(multihost_utils.broadcast_one_to_all(np.int32(code)))
+        mngr.reload()
+        found, moved = (code, []) if code >= 0 else (None, moved or ([-1] if code == -2 else []))
+    if found is None and moved:
+        listed = [m for m in moved if m >= 0]
+        raise ckpt_lib.DamagedCheckpoint(
+            f"no intact checkpoint in {mngr.directory}: "
+            + (f"step{'s' if len(listed) > 1 else ''} {', '.join(map(str, listed))} "
+               f"{'were' if len(listed) > 1 else 'was'} damaged and moved aside (<step>.corrupt)" if listed else
+               "process 0 found every step damaged and moved them aside (<step>.corrupt)")
+            + "; put an intact copy back, or rerun to start from step 0")
+    return found
+
+
 def save_swa(directory: Path, state: step_lib.TrainState, step: int, mcfg: ProLIPConfig, tokenizer: Any,
              is_chief: bool) -> None:
     """The weight average of optim.swa_start_step / swa_every_steps (PCME++ App. B.3, its variant
@@ -347,7 +385,16 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
     """Trains (or resumes) in `workdir`. Returns the last logged metrics.
 
     stop_at_step: behave as if preempted (SIGTERM) when that step is reached; for tests.
+    Library logging (orbax, grain, absl) goes to WORKDIR/train.log, not the console
+    (prolip_jax/library_logs.py; process i > 0: train.process_<i>.log).
     """
+    name = library_logs.LOG_NAME if jax.process_index() == 0 else f"train.process_{jax.process_index()}.log"
+    with library_logs.to_file(paths.as_path(workdir) / name):
+        return _train(config, workdir, stop_at_step=stop_at_step)
+
+
+def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str, Any]:
+    """The run of `train`."""
     workdir = Path(workdir)
     config = with_defaults(config.copy_and_resolve_references())
     tc = parse_config(config)  # the only parse: every part below gets its typed section
@@ -390,7 +437,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
         options=ocp.CheckpointManagerOptions(max_to_keep=run.keep_checkpoints, create=True,
                                              enable_async_checkpointing=True),
         item_names=ckpt_lib.TRAIN_ITEMS)
-    start = mngr.latest_step()
+    start = newest_intact_step(mngr, is_chief)  # a damaged newest step is moved aside, with a warning
     tx, schedule = make_optimizer(start or 0)
     state_sh = step_lib.state_shardings(model, tx, mesh, run.sharding_rules)
     if start is None:

@@ -1,0 +1,156 @@
+"""The faults of a long run, each met with one line and the newest intact state (docs/training.md,
+"When a long run meets a fault"): a damaged checkpoint, a full disk during a save, a failure
+outside the model, a torn metrics line.
+
+One tiny run (random batches, a checkpoint every step) is shared; each test damages its own copy.
+Every run here has the same config, so the persistent compilation cache compiles its step once.
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from prolip_jax import checkpoint, train
+
+from test_train import tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import convert_to_pytorch  # noqa: E402
+import evaluate  # noqa: E402
+
+STEPS = 3
+# The same run as `config()` through the command line (tests of main(): the one-line errors).
+CLI = ["--config", str(ROOT / "configs" / "tiny.py") + f":data=random,steps={STEPS}",
+       "--config.model.variant=micro", "--config.model.attention_impl=xla", "--config.batch_size=16",
+       "--config.masking.group=2", "--config.masking.fraction=0.5", "--config.data.image_size=16",
+       "--config.log_steps=1", "--config.checkpoint_steps=1"]
+
+
+def config(tmp_path, **overrides):
+    return tiny_config(tmp_path, **{"data.source": "random", "total_steps": STEPS, "checkpoint_steps": 1,
+                                    "keep_checkpoints": 5, **overrides})
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A finished run of STEPS steps with a checkpoint at every step."""
+    tmp = tmp_path_factory.mktemp("faults")
+    train.train(config(tmp), str(tmp / "run"))
+    return tmp / "run"
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    shutil.copytree(run, tmp_path / "w")
+    return tmp_path / "w"
+
+
+def array_files(step_dir: Path, item: str) -> list[Path]:
+    """The data files of an orbax item (OCDBT: `<item>/d/*` and `<item>/ocdbt.process_*/d/*`)."""
+    return sorted(p for p in (step_dir / item).rglob("*") if p.is_file() and p.parent.name == "d")
+
+
+def truncate_half(files: list[Path]) -> None:
+    for f in files:
+        with open(f, "r+b") as fh:
+            fh.truncate(f.stat().st_size // 2)
+
+
+def damage(step_dir: Path) -> None:
+    """What a disk that filled during a copy leaves: the params' array files cut to half their
+    size, the optimiser state's array files gone."""
+    truncate_half(array_files(step_dir, "params"))
+    for f in array_files(step_dir, "opt_state"):
+        f.unlink()
+
+
+def one_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+def params_of(ckpt: Path, step: int):
+    return jax.device_get(checkpoint.load_params(ckpt, step)[0])
+
+
+# ------------------------------------------------------------------------- a damaged checkpoint
+def test_check_step_names_what_is_wrong(run, tmp_path):
+    w = copy_of(run, tmp_path) / "checkpoints"
+    assert checkpoint.check_step(w, STEPS) is None
+    truncate_half(array_files(w / "3", "params"))
+    assert checkpoint.check_step(w, 3).startswith("params")
+    for f in array_files(w / "2", "opt_state"):
+        f.unlink()
+    problem = checkpoint.check_step(w, 2)
+    assert problem.startswith("opt_state") and "missing" in problem, problem
+    (w / "1" / "config" / "metadata").write_text('{"model": ')  # a torn JSON item
+    assert checkpoint.check_step(w, 1) == "config/metadata is not valid JSON"
+    # Values: a readable, well-shaped array holding NaN is damage too.
+    from prolip_jax.models import get_config
+
+    checkpoint.save_params(tmp_path / "nan", {"w": np.array([1.0, np.nan], np.float32)}, get_config("micro"), step=7)
+    assert checkpoint.check_step(tmp_path / "nan", 7) == "params/w holds non-finite values"
+
+
+def test_resume_falls_back_to_the_newest_intact_step(run, tmp_path, capfd):
+    """The newest step damaged: one warning line, the step moved aside (kept), the run resumes
+    from the step before and ends where an uninterrupted run ends."""
+    w = copy_of(run, tmp_path)
+    damage(w / "checkpoints" / str(STEPS))
+    sizes = {p.relative_to(w / "checkpoints" / str(STEPS)): p.stat().st_size
+             for p in (w / "checkpoints" / str(STEPS)).rglob("*") if p.is_file()}
+    capfd.readouterr()
+    train.train(config(tmp_path), str(w))
+    out, err = capfd.readouterr()
+    warning = one_line(err)
+    assert warning.startswith(f"warning: checkpoint step {STEPS} is damaged (params") and \
+        f"moved it to {w / 'checkpoints' / f'{STEPS}.corrupt'}" in warning, warning
+    assert f"resumed from {w / 'checkpoints' / str(STEPS - 1)} (step {STEPS - 1})" in out
+    moved = w / "checkpoints" / f"{STEPS}.corrupt"
+    assert {p.relative_to(moved): p.stat().st_size for p in moved.rglob("*") if p.is_file()} == sizes  # never deleted
+    # The step was redone from the intact one: bit-identical to the uninterrupted run's.
+    jax.tree.map(np.testing.assert_array_equal, params_of(w / "checkpoints", STEPS), params_of(run / "checkpoints", STEPS))
+
+
+def test_no_intact_checkpoint_is_one_line_exit_2(run, tmp_path, capfd):
+    w = copy_of(run, tmp_path)
+    for step in range(1, STEPS + 1):
+        damage(w / "checkpoints" / str(step))
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["train"] + CLI + ["--workdir", str(w)])
+    assert exit_.value.code == 2
+    out, err = capfd.readouterr()
+    lines = err.splitlines()
+    assert len(lines) == STEPS + 1 and all(line.startswith("warning: checkpoint step") for line in lines[:-1]), err
+    assert lines[-1] == (f"error: no intact checkpoint in {w / 'checkpoints'}: steps 3, 2, 1 were damaged and moved "
+                         "aside (<step>.corrupt); put an intact copy back, or rerun to start from step 0")
+    assert sorted(p.name for p in (w / "checkpoints").iterdir()) == ["1.corrupt", "2.corrupt", "3.corrupt"]
+
+
+def test_tools_name_a_damaged_checkpoint_in_one_line(run, tmp_path, capfd):
+    """prolip_jax.load, scripts/evaluate.py and the converter to PyTorch: one line naming the
+    step, what is wrong and the intact steps to pass instead."""
+    import prolip_jax
+
+    w = copy_of(run, tmp_path)
+    truncate_half(array_files(w / "checkpoints" / str(STEPS), "params"))
+    expected = (f"checkpoint {w / 'checkpoints' / str(STEPS)} is damaged (params")
+    with pytest.raises(checkpoint.DamagedCheckpoint) as e:
+        prolip_jax.load(w)
+    assert str(e.value).startswith(expected) and "\n" not in str(e.value)
+    assert str(e.value).endswith("pass an earlier step (--step; available: 2, 1); resuming the training run "
+                                 "moves a damaged step aside by itself")
+    capfd.readouterr()
+    assert evaluate.main(["--checkpoint", str(w), "--config", str(ROOT / "configs" / "eval" / "demo.py"),
+                          "--out", str(tmp_path / "eval")]) == 2
+    assert one_line(capfd.readouterr().err).startswith("error: " + expected)
+    assert convert_to_pytorch.main(["--checkpoint", str(w), "--out", str(tmp_path / "hf")]) == 2
+    assert one_line(capfd.readouterr().err).startswith("error: " + expected)
+    assert prolip_jax.load(w, step=STEPS - 1) is not None  # the step before is intact
