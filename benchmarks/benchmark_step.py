@@ -161,7 +161,8 @@ class Bench:
         self.mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
         self.scfg = step_config(tc)
         self.model = ProLIP(self.mcfg, dtype=jnp.dtype(config.model.dtype),
-                            attention_impl=config.model.attention_impl, remat=config.model.remat)
+                            attention_impl=config.model.attention_impl, remat=config.model.remat,
+                            scan_layers=tc.model.scan_layers)
         self.tx, self.schedule = optim.make_optimizer(tc.optim, config.total_steps)
         self.state, self.state_sh = None, None
 

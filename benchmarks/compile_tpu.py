@@ -186,8 +186,8 @@ def build_step(config: Any, devices: list[Any], mcfg: Any = None) -> tuple[Any, 
     validate(tc, mesh, mcfg)  # the trainer's checks: batch layout over the mesh, sizes, combinations
     scfg = step_config(tc)
     model = ProLIP(mcfg, dtype=jnp.dtype(config.model.dtype), attention_impl=config.model.attention_impl,
-                   remat=config.model.remat)
-    param_shapes = abstract_params(mcfg)
+                   remat=config.model.remat, scan_layers=tc.model.scan_layers)
+    param_shapes = abstract_params(mcfg, scan_layers=tc.model.scan_layers)
     optim_cfg = tc.optim
     tx, schedule = optim.make_optimizer(optim_cfg, config.total_steps, param_shapes, step=0)
     state_sh = step_lib.state_shardings(model, tx, mesh, config.sharding_rules)

@@ -28,6 +28,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from prolip_jax import library_logs
+from prolip_jax.models import layout
 from prolip_jax.models.config import ProLIPConfig
 from prolip_jax.models.prolip import abstract_params
 
@@ -109,22 +110,38 @@ def training_normalization(meta: Mapping[str, Any]) -> Any:
 
 
 @_intact_first(PARAMS)
+def saved_layout(root: str | os.PathLike, step: int) -> bool:
+    """Whether the params saved at `root/<step>` hold scanned blocks (model.scan_layers, models/layout.py),
+    read from the saved tree's metadata."""
+    tree = ocp.StandardCheckpointHandler().metadata(epath.Path(root) / str(step) / PARAMS).tree
+    return bool(layout.layout_of(tree))
+
+
 def load_params(path: str | os.PathLike, step: int | None = None,
-                sharding: jax.sharding.Sharding | Any | None = None) -> tuple[dict, ProLIPConfig, int]:
+                sharding: jax.sharding.Sharding | Any | None = None,
+                scan_layers: bool = False) -> tuple[dict, ProLIPConfig, int]:
     """(params, config, step). `sharding`: one Sharding for every leaf or a matching pytree of
-    them (restore onto any mesh); default: the first local device."""
+    them (restore onto any mesh); default: the first local device. The params come in the
+    unrolled layout, or the scanned one with `scan_layers`, whichever was saved."""
 
     config, _, step = load_config(path, step)
     root, _ = resolve(path, step)
-    abstract = abstract_params(config)
+    saved_scan = saved_layout(root, step)
+    abstract = abstract_params(config, scan_layers=saved_scan)
     if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    tree_sharding = None if isinstance(sharding, jax.sharding.Sharding) or saved_scan == scan_layers else sharding
+    if tree_sharding is not None:  # given in the other layout: restore, convert, then place
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     if isinstance(sharding, jax.sharding.Sharding):
         sharding = jax.tree.map(lambda _: sharding, abstract)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, sharding)
     with ocp.CheckpointManager(root, item_names=(PARAMS, CONFIG)) as mngr:
         restored = mngr.restore(step, args=ocp.args.Composite(**{PARAMS: ocp.args.StandardRestore(target)}))
-    return restored[PARAMS], config, step
+    params = layout.to_layout(restored[PARAMS], scan_layers)
+    if tree_sharding is not None:
+        params = jax.device_put(params, tree_sharding)
+    return params, config, step
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:

@@ -18,6 +18,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from prolip_jax import paths as fs
+from prolip_jax.models import layout as block_layout  # `layout` here names a state_dict's key layout
 from prolip_jax.models.config import ProLIPConfig
 from prolip_jax.models.prolip import abstract_params
 
@@ -307,15 +308,20 @@ def strip_prefix(state_dict: Mapping[str, Any], prefix: str = "module.") -> dict
     return dict(state_dict)
 
 
-def torch_to_flax(state_dict: Mapping[str, Any], config: ProLIPConfig, layout: str = "prolip") -> dict:
-    """Reference state_dict (numpy arrays, torch layouts) -> Flax params (float32 numpy)."""
+def torch_to_flax(state_dict: Mapping[str, Any], config: ProLIPConfig, layout: str = "prolip",
+                  scan_layers: bool = False) -> dict:
+    """Reference state_dict (numpy arrays, torch layouts) -> Flax params (float32 numpy), the
+    blocks unrolled or, with `scan_layers`, stacked (models/layout.py)."""
     state_dict = strip_prefix(state_dict)
     check_state_dict(state_dict, config, layout)
-    return apply_rules(state_dict, conversion_rules(config, layout), abstract_params(config))
+    params = apply_rules(state_dict, conversion_rules(config, layout), abstract_params(config))
+    return block_layout.to_layout(params, scan_layers)
 
 
 def flax_to_torch(params: Mapping[str, Any], config: ProLIPConfig, layout: str = "prolip") -> dict[str, np.ndarray]:
-    """Flax params -> reference state_dict (float32 numpy arrays, contiguous, torch layouts)."""
+    """Flax params, either block layout -> reference state_dict (float32 numpy arrays, contiguous,
+    torch layouts)."""
+    params = block_layout.to_layout(params, False)
     out = unapply_rules(params, conversion_rules(config, layout))
     check_state_dict(out, config, layout)  # also catches params of another config (wrong shapes)
     return out

@@ -1,4 +1,4 @@
-"""Library logging off the console: orbax's, grain's and absl's own lines go to a file.
+"""Library logging off the console: orbax's, grain's, absl's and asyncio's lines go to a file.
 
 orbax and grain log through absl's logger ("absl"), and a failed asynchronous save or a damaged
 checkpoint makes them log the same traceback from several background threads (hundreds of lines
@@ -7,12 +7,14 @@ it); the details belong in a file: `WORKDIR/train.log` for the trainer (`to_file
 tool that only reads (`to_file(None)`).
 
 Inside `to_file`, for its duration:
-  * the "absl" logger writes to the file only (not propagated to the console's handlers);
+  * the "absl" and "asyncio" loggers (LOGGERS) write to the file only (not propagated to the
+    console's handlers);
   * an exception that ends a background thread (orbax's save threads re-raise the write error)
     is written to the file instead of stderr;
   * tensorstore's late callbacks into an asyncio loop that orbax has closed after a failed read
-    ("RuntimeError: Event loop is closed", printed through sys.excepthook from a C++ thread) go
-    to the file too. Every other uncaught exception is printed as before.
+    or write ("RuntimeError: Event loop is closed", reported through sys.unraisablehook from a
+    C++ thread, once per array still in flight) go to the file too, also after the block. Every
+    other unraisable exception is reported as before.
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ from typing import Any, Iterator
 from prolip_jax import paths
 
 LOG_NAME = "train.log"
+# absl's logger carries orbax's, grain's and absl's own lines; asyncio's reports the write tasks of
+# a failed orbax save ("Task exception was never retrieved").
+LOGGERS = ("absl", "asyncio")
 
 
 class _PathHandler(logging.Handler):
@@ -59,47 +64,42 @@ def to_file(path: Any) -> Iterator[None]:
     """absl's logger, background-thread exceptions and late closed-loop errors into `path`
     (None: dropped) while the block runs; the previous settings come back afterwards. Inside
     another `to_file` block, the outer one's file keeps them."""
-    absl_logger = logging.getLogger("absl")
-    if any(isinstance(h, _PathHandler) for h in absl_logger.handlers):  # inside another: that one rules
+    loggers = [logging.getLogger(name) for name in LOGGERS]
+    if any(isinstance(h, _PathHandler) for h in loggers[0].handlers):  # inside another: that one rules
         yield
         return
     handler = _PathHandler(path)
-    saved = (absl_logger.handlers[:], absl_logger.propagate, absl_logger.level, threading.excepthook,
-             sys.excepthook)
+    saved = ([(lg.handlers[:], lg.propagate, lg.level) for lg in loggers], threading.excepthook,
+             sys.unraisablehook)
 
     def thread_hook(args: threading.ExceptHookArgs) -> None:
         name = args.thread.name if args.thread is not None else "?"
         handler.write_exception(f"exception in thread {name}", args.exc_value)
 
-    def except_hook(kind: type, exc: BaseException, tb: Any) -> None:
-        if _closed_loop_error(exc):
-            handler.write_exception("late callback into a closed event loop", exc)
-        else:
-            saved[4](kind, exc, tb)
-
-    absl_logger.handlers[:] = [handler]
-    absl_logger.propagate = False
-    absl_logger.setLevel(logging.INFO)
-    threading.excepthook, sys.excepthook = thread_hook, except_hook
+    for lg in loggers:
+        lg.handlers[:], lg.propagate = [handler], False
+        lg.setLevel(logging.INFO)
+    threading.excepthook, sys.unraisablehook = thread_hook, _late_filter(saved[2], handler)
     try:
         yield
     finally:
-        absl_logger.handlers[:], absl_logger.propagate = saved[0], saved[1]
-        absl_logger.setLevel(saved[2])
-        threading.excepthook = saved[3]
+        for lg, (handlers, propagate, level) in zip(loggers, saved[0]):
+            lg.handlers[:], lg.propagate = handlers, propagate
+            lg.setLevel(level)
+        threading.excepthook = saved[1]
         # The closed-loop callbacks can come after the block: keep filtering those, nothing else.
-        sys.excepthook = _late_filter(saved[4], handler)
+        sys.unraisablehook = _late_filter(saved[2], handler)
 
 
 def _late_filter(previous: Any, handler: _PathHandler) -> Any:
-    if getattr(previous, "_prolip_late_filter", False):
-        return previous
+    """sys.unraisablehook that sends closed-loop errors to `handler`, the rest to `previous`."""
+    previous = getattr(previous, "_prolip_previous", previous)
 
-    def hook(kind: type, exc: BaseException, tb: Any) -> None:
-        if _closed_loop_error(exc):
-            handler.write_exception("late callback into a closed event loop", exc)
+    def hook(unraisable: Any) -> None:
+        if _closed_loop_error(unraisable.exc_value):
+            handler.write_exception("late callback into a closed event loop", unraisable.exc_value)
         else:
-            previous(kind, exc, tb)
+            previous(unraisable)
 
-    hook._prolip_late_filter = True
+    hook._prolip_previous = previous
     return hook

@@ -29,13 +29,15 @@ class MeshConfig:
         if len(self.shape) != len(self.axes):
             raise ValueError(f"config.mesh.shape {self.shape} and axes {self.axes} differ in length")
 
-# Ready-made rule sets, selectable by name in a config (`sharding_rules = "fsdp"`).
+# Ready-made rule sets, selectable by name in a config (`sharding_rules = "fsdp"`). `layers`,
+# the leading axis of scanned blocks' stacked parameters (model.scan_layers), is never split:
+# every device runs every block (as MaxText's rules).
 RULES: dict[str, tuple[tuple[str, Any], ...]] = {
-    "replicated": (("batch", BATCH_AXES),),
-    "fsdp": (("batch", BATCH_AXES), ("embed", "fsdp"), ("vocab", "fsdp")),
-    "tensor": (("batch", BATCH_AXES), ("mlp", "tensor"), ("heads", "tensor"), ("vocab", "tensor")),
+    "replicated": (("batch", BATCH_AXES), ("layers", None)),
+    "fsdp": (("batch", BATCH_AXES), ("embed", "fsdp"), ("vocab", "fsdp"), ("layers", None)),
+    "tensor": (("batch", BATCH_AXES), ("mlp", "tensor"), ("heads", "tensor"), ("vocab", "tensor"), ("layers", None)),
     "fsdp_tensor": (("batch", BATCH_AXES), ("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"),
-                    ("vocab", "tensor")),
+                    ("vocab", "tensor"), ("layers", None)),
 }
 
 

@@ -44,6 +44,7 @@ from prolip_jax import step as step_lib
 from prolip_jax.data import build_train_data
 from prolip_jax.metrics import MetricWriter
 from prolip_jax.models import ProLIP, ProLIPConfig, abstract_params, get_config
+from prolip_jax.models import layout
 from prolip_jax.models.config import PAPER_INIT_LOGIT_SCALE
 from prolip_jax.models.transformer import REMAT_POLICIES
 from prolip_jax.pretrained import openclip, warm_start
@@ -93,6 +94,8 @@ class ModelOptions:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute; params stay float32
     remat: str = dataclasses.field(default="none", metadata={"choices": tuple(REMAT_POLICIES)})
     attention_impl: Literal["auto", "xla", "cudnn"] = "auto"
+    # False: on CPU the scanned step is 6-17% slower and B/16's compiled temporaries 1.7x (docs/performance.md)
+    scan_layers: bool = False  # each tower's blocks as one nn.scan (models/layout.py): 4x faster B/16 compile
     init_logit_scale: float = PAPER_INIT_LOGIT_SCALE  # log a
     init_logit_bias: float | None = None  # b; None: the variant's (ProLIP: -10)
     # The joint embedding's size (mu, sigma^2); 0: the variant's. PCME++ on COCO: 1024 on CLIP's
@@ -215,6 +218,9 @@ def validate(tc: TrainConfig, mesh, mcfg: ProLIPConfig) -> None:
                          f"soft targets (prolip, pcmepp, siglip)")
     if hasattr(module, "check_targets"):
         module.check_targets(tc.loss, tc.targets.identity)
+    if tc.model.scan_layers and (tc.optim.layer_decay != 1.0 or tc.optim.name == "adamp"):
+        raise ValueError("optim.layer_decay and optim.name='adamp' treat each block's parameters apart; "
+                         "set model.scan_layers=False with them")
     if scfg.masked_group_rows and not 0 <= tc.masking.mask_token_id < mcfg.text.vocab_size:
         raise ValueError(f"masking.mask_token_id={tc.masking.mask_token_id} is outside the model's "
                          f"vocabulary of {mcfg.text.vocab_size}")
@@ -304,10 +310,22 @@ def restore(mngr: ocp.CheckpointManager, step: int, model: ProLIP, tx: Any, shar
     """The train state saved at `step`, on this run's mesh and optimiser. Fine-tuning controls
     (lock, groups, layer_decay) set the optimiser state's layout: a checkpoint saved under other
     ones is restored in its own layout, then its Adam moments move over by parameter path."""
-    saved = ckpt_lib.load_config(mngr.directory, step)[1].get("train_config", {}).get("optim", {})
+    saved_cfg = ckpt_lib.load_config(mngr.directory, step)[1].get("train_config", {})
+    saved = saved_cfg.get("optim", {})
+    # A checkpoint of the other block layout (model.scan_layers) is restored in its own, then converted.
+    scanned = bool(saved_cfg.get("model", {}).get("scan_layers", False))
+    saved_model = model.clone(scan_layers=scanned)
+    param_shapes = layout.to_layout(param_shapes, scanned)
     saved_tx, _ = optim.make_optimizer(tc.optim.with_layout_of(saved), tc.run.total_steps, param_shapes, step=step)
-    saved_sh = step_lib.state_shardings(model, saved_tx, mesh, tc.run.sharding_rules)
-    state = ckpt_lib.restore_train_state(mngr, step, step_lib.abstract_train_state(model, saved_tx, saved_sh), data)
+    saved_sh = step_lib.state_shardings(saved_model, saved_tx, mesh, tc.run.sharding_rules)
+    state = ckpt_lib.restore_train_state(mngr, step, step_lib.abstract_train_state(saved_model, saved_tx, saved_sh),
+                                         data)
+    if scanned != model.scan_layers:
+        params, opt_state = layout.to_layout((state.params, state.opt_state), model.scan_layers)
+        params = jax.jit(lambda p: p, out_shardings=shardings.params)(params)
+        state = state.replace(params=params, opt_state=opt_state)
+        if jax.tree.structure(opt_state) == jax.tree.structure(shardings.opt_state):
+            return state.replace(opt_state=jax.jit(lambda o: o, out_shardings=shardings.opt_state)(opt_state))
     if jax.tree.structure(saved_sh.opt_state) == jax.tree.structure(shardings.opt_state):
         return state
     return with_optimizer(state, tx, shardings)
@@ -408,8 +426,8 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
     tc.profile.check(run.total_steps)
     scfg = step_config(tc)
     model = ProLIP(mcfg, dtype=jnp.dtype(tc.model.dtype), attention_impl=tc.model.attention_impl,
-                   remat=tc.model.remat)
-    param_shapes = abstract_params(mcfg)
+                   remat=tc.model.remat, scan_layers=tc.model.scan_layers)
+    param_shapes = abstract_params(mcfg, scan_layers=tc.model.scan_layers)
     # The optimiser depends on the step (a locked tower unlocks at optim.unlock_step), so it is
     # built once the step to start from is known.
     make_optimizer = lambda step: optim.make_optimizer(  # noqa: E731

@@ -154,3 +154,40 @@ def test_tools_name_a_damaged_checkpoint_in_one_line(run, tmp_path, capfd):
     assert convert_to_pytorch.main(["--checkpoint", str(w), "--out", str(tmp_path / "hf")]) == 2
     assert one_line(capfd.readouterr().err).startswith("error: " + expected)
     assert prolip_jax.load(w, step=STEPS - 1) is not None  # the step before is intact
+
+
+# ------------------------------------------------------------------------- a full disk during a save
+def test_full_disk_during_a_save_is_one_line(run, tmp_path, capfd, monkeypatch):
+    """The array writes of step 2's save fail with ENOSPC (as tensorstore's do on a full disk; orbax
+    runs them in its background threads): one line naming the folder, the bytes needed and free
+    and the checkpoint to resume from, exit 2; no partial folder; step 1 intact; the rerun resumes
+    from it and ends bit-identical to the uninterrupted run."""
+    import errno
+
+    from orbax.checkpoint._src.serialization import serialization
+
+    write = serialization.async_serialize_from_host
+
+    async def full_disk(rslices, tensorstore_spec, **kwargs):
+        if "/2.orbax-checkpoint-tmp" in str(tensorstore_spec):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await write(rslices, tensorstore_spec, **kwargs)
+
+    monkeypatch.setattr(serialization, "async_serialize_from_host", full_disk)
+    w = tmp_path / "w"
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["train"] + CLI + ["--workdir", str(w)])
+    assert exit_.value.code == 2
+    line = one_line(capfd.readouterr().err)
+    ckpt = w / "checkpoints"
+    assert line.startswith(f"error: could not write checkpoint step 2 to {ckpt}: the disk is full; a step needs ~")
+    assert " free; the partial folder was removed. Free space (or lower --config.keep_checkpoints), then rerun " \
+           f"the same command to resume from step 1 ({ckpt / '1'})" in line, line
+    assert sorted(p.name for p in ckpt.iterdir()) == ["1"]  # no <step>.orbax-checkpoint-tmp* left
+    assert checkpoint.check_step(ckpt, 1) is None
+    assert "No space left on device" in (w / "train.log").read_text()  # orbax's own report, off the console
+
+    monkeypatch.setattr(serialization, "async_serialize_from_host", write)  # space freed
+    train.train(config(tmp_path), str(w))
+    jax.tree.map(np.testing.assert_array_equal, params_of(ckpt, STEPS), params_of(run / "checkpoints", STEPS))

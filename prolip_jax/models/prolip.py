@@ -36,11 +36,14 @@ class ProLIP(nn.Module):
     dtype: Any = jnp.float32  # compute dtype; parameters stay float32
     attention_impl: str = "auto"  # 'auto' | 'xla' | 'cudnn'
     remat: str = "none"  # see transformer.REMAT_POLICIES
+    scan_layers: bool = False  # each tower's blocks as one nn.scan (models/layout.py: the params' layout)
 
     def setup(self):
         c = self.config
-        self.visual = VisionTower(c.vision, c.embed_dim, c.quick_gelu, self.dtype, self.attention_impl, self.remat)
-        self.text = TextTower(c.text, c.embed_dim, c.quick_gelu, self.dtype, self.attention_impl, self.remat)
+        self.visual = VisionTower(c.vision, c.embed_dim, c.quick_gelu, self.dtype, self.attention_impl, self.remat,
+                                  self.scan_layers)
+        self.text = TextTower(c.text, c.embed_dim, c.quick_gelu, self.dtype, self.attention_impl, self.remat,
+                              self.scan_layers)
         self.logit_scale = self.param(
             "logit_scale", nn.with_logical_partitioning(constant(c.init_logit_scale), ()), ())
         self.logit_bias = self.param(
@@ -84,9 +87,10 @@ def dummy_inputs(config: ProLIPConfig, batch: int = 1) -> tuple[jax.Array, jax.A
             jnp.ones((batch, config.text.context_length), jnp.int32))
 
 
-def abstract_params(config: ProLIPConfig) -> dict:
-    """Parameter shapes/dtypes without allocating (for counting and shape checks)."""
-    return jax.eval_shape(lambda r: init_params(config, r), jax.random.key(0))
+def abstract_params(config: ProLIPConfig, scan_layers: bool = False) -> dict:
+    """Parameter shapes/dtypes without allocating (for counting and shape checks), in the
+    unrolled or the scanned layout (models/layout.py)."""
+    return jax.eval_shape(lambda r: init_params(config, r, scan_layers=scan_layers), jax.random.key(0))
 
 
 def count_params(params: Any) -> int:

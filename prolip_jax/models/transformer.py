@@ -280,13 +280,34 @@ class ResidualBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = LayerNorm(self.ln_eps, self.dtype, name="ln_1")(x)
-        x = x + Attention(self.num_heads, self.init, self.dtype, self.attention_impl, self.causal,
-                          name="attn")(y)
-        y = LayerNorm(self.ln_eps, self.dtype, name="ln_2")(x)
-        x = x + mlp(self, y, self.mlp_dim, self.act, self.init)
-        # Name the residual stream so a remat policy or sharding constraint can refer to it.
-        return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+        return residual_block(self, x)
+
+
+def residual_block(block: ResidualBlock, x: jax.Array) -> jax.Array:
+    """The block's computation, its submodules created inside `block` (a compact parent)."""
+    y = LayerNorm(block.ln_eps, block.dtype, name="ln_1")(x)
+    x = x + Attention(block.num_heads, block.init, block.dtype, block.attention_impl, block.causal,
+                      name="attn")(y)
+    y = LayerNorm(block.ln_eps, block.dtype, name="ln_2")(x)
+    x = x + mlp(block, y, block.mlp_dim, block.act, block.init)
+    # Name the residual stream so a remat policy or sharding constraint can refer to it.
+    return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+
+class ScanStep(ResidualBlock):
+    """One step of the scanned blocks (Encoder, scan=True): the unrolled loop's body, the same
+    ResidualBlock parameters. carry: the residual stream x, or (x, fork) where fork holds x after
+    block `fork_after - 1` (PCME++'s branch point); `index`: this block's number."""
+
+    fork_after: int | None = None
+
+    @nn.compact
+    def __call__(self, carry, index: jax.Array):
+        x, fork = carry if self.fork_after is not None else (carry, None)
+        x = residual_block(self, materialize_cotangent(x))
+        if fork is None:
+            return x, None
+        return (x, jnp.where(index == self.fork_after - 1, x, fork)), None
 
 
 @jax.custom_vjp
@@ -322,7 +343,11 @@ materialize_cotangent.defvjp(_materialize_fwd, _materialize_bwd)
 
 
 class Encoder(nn.Module):
-    """`layers` residual blocks named `resblocks_{i}` (torch: `transformer.resblocks.{i}`)."""
+    """`layers` residual blocks named `resblocks_{i}` (torch: `transformer.resblocks.{i}`), or with
+    `scan` one `nn.scan` over them, `resblocks` holding each parameter stacked along a leading
+    `layers` axis (models/layout.py converts between the two): compile time and compile memory
+    then stay those of one block whatever the depth (big_vision's and MaxText's scan_layers). The
+    same computation either way, remat policy included (applied to each scanned step)."""
 
     layers: int
     num_heads: int
@@ -334,21 +359,35 @@ class Encoder(nn.Module):
     attention_impl: str = "auto"
     remat: str = "none"
     causal: bool = False
+    scan: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, start: int = 0, stop: int | None = None) -> jax.Array:
-        """Blocks `start .. stop - 1` (default all): a tower whose stream splits after block
-        `stop - 1` (PCME++'s duplicated last block) calls the same Encoder twice."""
+    def __call__(self, x: jax.Array, fork_after: int | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """x [B, T, D] -> the stream after every block; with `fork_after` = n also the stream after
+        block n - 1 (a tower whose stream splits there: PCME++'s duplicated last blocks)."""
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"unknown remat policy {self.remat!r}; choose from {sorted(REMAT_POLICIES)}")
-        block = ResidualBlock
-        if self.remat != "none":
-            block = nn.remat(ResidualBlock, policy=REMAT_POLICIES[self.remat])
-        for i in range(start, self.layers if stop is None else stop):
-            x = block(self.num_heads, self.mlp_dim, self.ln_eps, self.act, self.init,
-                      self.dtype, self.attention_impl, self.causal, name=f"resblocks_{i}")(
-                materialize_cotangent(x))
-        return x
+        if fork_after is not None and not 0 < fork_after <= self.layers:
+            raise ValueError(f"fork_after={fork_after} must be in [1, layers={self.layers}]")
+        args = (self.num_heads, self.mlp_dim, self.ln_eps, self.act, self.init, self.dtype, self.attention_impl,
+                self.causal)
+        policy = REMAT_POLICIES[self.remat]
+        if self.scan:
+            # prevent_cse=False: inside a scan the loop already keeps XLA from merging the
+            # recomputation with the forward (flax's and jax's advice for remat under scan).
+            step = ScanStep if self.remat == "none" else nn.remat(ScanStep, policy=policy, prevent_cse=False)
+            blocks = nn.scan(step, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers,
+                             metadata_params={nn.PARTITION_NAME: "layers"})(*args, fork_after, name="resblocks")
+            carry = x if fork_after is None else (x, jnp.zeros_like(x))
+            carry, _ = blocks(carry, jnp.arange(self.layers))
+            return carry
+        block = ResidualBlock if self.remat == "none" else nn.remat(ResidualBlock, policy=policy)
+        fork = None
+        for i in range(self.layers):
+            x = block(*args, name=f"resblocks_{i}")(materialize_cotangent(x))
+            if i + 1 == fork_after:
+                fork = x
+        return x if fork_after is None else (x, fork)
 
 
 def mlp(module: nn.Module, y: jax.Array, mlp_dim: int, act: str, init: dict) -> jax.Array:

@@ -26,6 +26,7 @@ from etils import epath
 
 from prolip_jax import checkpoint, convert, tool_paths
 from prolip_jax import paths as fs
+from prolip_jax.models import layout as block_layout  # `layout` here names a file's key layout
 from prolip_jax.models.config import VARIANTS, ProLIPConfig, get_config
 from prolip_jax.models.prolip import abstract_params
 from prolip_jax.pretrained import bigvision, hub, openclip
@@ -57,7 +58,7 @@ class ImportReport:
 
 def load_pretrained(path_or_repo: str | os.PathLike, format: str = "auto",
                     arch: str | Mapping[str, Any] | ProLIPConfig | None = None,
-                    allow_unplaced: bool = False) -> tuple[ProLIPConfig, dict, ImportReport]:
+                    allow_unplaced: bool = False, scan_layers: bool = False) -> tuple[ProLIPConfig, dict, ImportReport]:
     """(config, float32 params, report) of a pretrained model of any supported family.
 
     path_or_repo: a file (.safetensors, .npz), a folder (Hugging Face layout, open_clip hub
@@ -69,6 +70,7 @@ def load_pretrained(path_or_repo: str | os.PathLike, format: str = "auto",
       ProLIP variant name for ProLIP weights, or a ProLIPConfig for any family. Overrides a
       config file beside the weights; big_vision's is read off the shapes.
     allow_unplaced: return (and report) source keys that have no place instead of raising.
+    scan_layers: the params with each tower's blocks stacked (models/layout.py); default unrolled.
     Raises ValueError for a wrong family, unreadable/truncated or pickled file, keys missing
     from the source or shapes that differ from the config; FileNotFoundError for missing files.
     """
@@ -79,7 +81,7 @@ def load_pretrained(path_or_repo: str | os.PathLike, format: str = "auto",
     else:
         where = tool_paths.locate(path_or_repo)  # paths are paths; only a missing org/name is a repo id
     if where.kind == "checkpoint":  # a prolip_jax checkpoint, its step folder or training workdir
-        return _own_checkpoint(where.step_dir, format)
+        return _own_checkpoint(where.step_dir, format, scan_layers)
     if where.kind == "hub":
         if format == "big_vision":
             raise ValueError("big_vision .npz checkpoints are not on the Hugging Face hub; pass the local file")
@@ -113,7 +115,8 @@ def load_pretrained(path_or_repo: str | os.PathLike, format: str = "auto",
         rules = bigvision.rules(config)
     else:
         rules = convert.conversion_rules(config, layout, logit_bias="logit_bias" in flat)
-    return _place(flat, config, rules, ImportReport(str(path), detected, layout, []), allow_unplaced)
+    config, params, report = _place(flat, config, rules, ImportReport(str(path), detected, layout, []), allow_unplaced)
+    return config, block_layout.to_layout(params, scan_layers), report
 
 
 def _bucket_weights(path: Any) -> bool:
@@ -195,11 +198,11 @@ def _place(flat: Mapping[str, np.ndarray], config: ProLIPConfig, rules: list[con
     return config, params, report
 
 
-def _own_checkpoint(path: Path, fmt: str) -> tuple[ProLIPConfig, dict, ImportReport]:
+def _own_checkpoint(path: Path, fmt: str, scan_layers: bool) -> tuple[ProLIPConfig, dict, ImportReport]:
     if fmt not in ("auto", "prolip"):
         raise ValueError(f"format={fmt!r} was requested but {path} is a prolip_jax checkpoint (format 'prolip')")
     params, config, step = checkpoint.load_params(path)
-    params = jax_to_numpy(params)
+    params = block_layout.to_layout(jax_to_numpy(params), scan_layers)
     loaded = sorted("/".join(k.key for k in kp) for kp, _ in _leaves_with_path(params))
     return config, params, ImportReport(f"{path} (step {step})", "prolip", "prolip_jax", loaded)
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from prolip_jax import messages
 from prolip_jax.models.config import ProLIPConfig
+from prolip_jax.models.layout import layout_of, to_layout
 from prolip_jax.pretrained.loader import load_pretrained
 
 # `config.init` knobs (the trainer's config section; ml_collections cannot hold None, hence "").
@@ -210,6 +211,7 @@ def check_fit(target: ProLIPConfig, param_shapes: Mapping[str, Any], source_conf
               source_shapes: Mapping[str, Any], text_pos_keep: int = DEFAULTS["text_pos_keep"],
               fresh: tuple[str, ...] = ()) -> None:
     """Raises the ValueError `warm_start` would raise, from shapes alone (anything with `.shape`)."""
+    param_shapes, source_shapes = to_layout(param_shapes, False), to_layout(source_shapes, False)
     _check(_flatten(param_shapes, as_array=False), _flatten(source_shapes, as_array=False), fresh)
     _check_text_keep(target, source_config, text_pos_keep)
 
@@ -218,7 +220,8 @@ def warm_start(target: ProLIPConfig, fresh_params: Mapping[str, Any], source_con
                source_params: Mapping[str, Any], *, source_absent: tuple[str, ...] = (),
                text_pos_keep: int = 20, vocab_pad: str = "zeros", fresh: tuple[str, ...] = (),
                source: str = "source", format: str = "") -> tuple[dict, WarmStartReport]:
-    """Target params (host float32 numpy, the tree of `fresh_params`) + the report.
+    """Target params (host float32 numpy, the tree of `fresh_params`, in its block layout:
+    models/layout.py) + the report, which names blocks unrolled whatever the layouts.
 
     target / fresh_params: the model to train and its fresh initialisation (`init_params`).
     source_config / source_params: an imported model (`load_pretrained`), any family.
@@ -227,8 +230,9 @@ def warm_start(target: ProLIPConfig, fresh_params: Mapping[str, Any], source_con
     text_pos_keep, vocab_pad, fresh: see InitConfig.
     """
     keep_fresh, fresh_patterns = _matcher(fresh), tuple(fresh)
-    fresh = _flatten(fresh_params)
-    src = {k: v for k, v in _flatten(source_params).items() if k not in source_absent}
+    scanned = bool(layout_of(fresh_params))
+    fresh = _flatten(to_layout(fresh_params, False))
+    src = {k: v for k, v in _flatten(to_layout(source_params, False)).items() if k not in source_absent}
     _check(fresh, src, fresh_patterns)
 
     out: dict[str, np.ndarray] = {}
@@ -255,7 +259,7 @@ def warm_start(target: ProLIPConfig, fresh_params: Mapping[str, Any], source_con
             raise AssertionError(f"internal: {name} loaded with shape {out[name].shape} != {init.shape}")
     rows += [Row("dropped", k, None, v.shape, "no place in the target") for k, v in src.items() if k not in fresh]
     params = _unflatten({k: np.asarray(v, np.float32) for k, v in out.items()})
-    return params, WarmStartReport(source, format or "params", rows)
+    return to_layout(params, scanned), WarmStartReport(source, format or "params", rows)
 
 
 def _matcher(patterns: tuple[str, ...]) -> re.Pattern:
