@@ -27,7 +27,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from prolip_jax import library_logs
+from prolip_jax import library_logs, paths
 from prolip_jax.models import layout
 from prolip_jax.models.config import ProLIPConfig
 from prolip_jax.models.prolip import abstract_params
@@ -109,7 +109,6 @@ def training_normalization(meta: Mapping[str, Any]) -> Any:
     return tuple(tuple(x) for x in found) if isinstance(found, list) else found  # JSON: a (mean, std) pair
 
 
-@_intact_first(PARAMS)
 def saved_layout(root: str | os.PathLike, step: int) -> bool:
     """Whether the params saved at `root/<step>` hold scanned blocks (model.scan_layers, models/layout.py),
     read from the saved tree's metadata."""
@@ -117,6 +116,7 @@ def saved_layout(root: str | os.PathLike, step: int) -> bool:
     return bool(layout.layout_of(tree))
 
 
+@_intact_first(PARAMS)
 def load_params(path: str | os.PathLike, step: int | None = None,
                 sharding: jax.sharding.Sharding | Any | None = None,
                 scan_layers: bool = False) -> tuple[dict, ProLIPConfig, int]:

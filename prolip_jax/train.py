@@ -20,6 +20,7 @@ if __name__ == "__main__":
 import dataclasses
 import difflib
 import json
+import logging
 import os
 import re
 import signal
@@ -399,6 +400,11 @@ def to_host(x: jax.Array) -> np.ndarray:
 # =====================================================================================
 # Training.
 # =====================================================================================
+class RunFault(RuntimeError):
+    """A fault the run stopped for after keeping what it could (a failed save, a failure outside
+    the model); its message is the one line the user sees."""
+
+
 def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str, Any]:
     """Trains (or resumes) in `workdir`. Returns the last logged metrics.
 
@@ -510,8 +516,37 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
         if not bool(to_host(state_is_finite(state))):
             raise FloatingPointError(f"the train state at step {step} is not finite; not saving it. "
                                      f"{last_good_checkpoint()}")
-        ckpt_lib.save_train_state(mngr, step, state, mcfg, config, data, force=force,
-                                  locked=optim.locked_paths(param_shapes, tc.optim, step))
+        try:
+            ckpt_lib.save_train_state(mngr, step, state, mcfg, config, data, force=force,
+                                      locked=optim.locked_paths(param_shapes, tc.optim, step))
+        except Exception as e:  # noqa: BLE001 - a failed save (orbax re-raises the previous one's here)
+            raise save_failed(e, step) from None
+        saving["step"] = step
+
+    saving: dict[str, int | None] = {"step": None}  # the last save started
+
+    def finish_saves() -> None:
+        """Waits for the asynchronous saves; one that failed stops the run in one line."""
+        try:
+            mngr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise save_failed(e, step) from None
+
+    def save_failed(e: BaseException, at: int) -> RunFault:
+        """A failed save (a full disk, a lost mount): the partial folder removed, one line naming
+        the folder, the bytes needed and free, and the newest intact checkpoint."""
+        # Orbax reports a background save's failure at the next save: the one still unfinished failed.
+        unfinished = saving["step"] is not None and not (ckpt_dir / str(saving["step"])).exists()
+        failed = ckpt_lib.failed_step(e, saving["step"] if unfinished else at)
+        logging.getLogger("absl").error("saving checkpoint step %d failed", failed, exc_info=e)  # train.log
+        try:
+            mngr.wait_until_finished()  # nothing may still write into the folders removed below
+        except Exception:  # noqa: BLE001 - the same failure again
+            pass
+        if is_chief:
+            ckpt_lib.remove_partial_saves(ckpt_dir)
+        state_bytes = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state)))
+        return RunFault(ckpt_lib.save_failure(ckpt_dir, failed, e, state_bytes))
 
     def last_good_checkpoint() -> str:
         good = mngr.latest_step()
@@ -564,7 +599,7 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
                 in_a_row = in_a_row + 1 if int(to_host(prev_metrics["nonfinite"])) else 0
             prev_metrics = metrics
             if in_a_row >= run.max_nonfinite_in_a_row:
-                mngr.wait_until_finished()
+                finish_saves()
                 raise FloatingPointError(
                     f"steps {step - in_a_row}-{step - 1} ({in_a_row} in a row) had a non-finite loss, gradient "
                     f"or update and were skipped; stopping (check optim.lr, optim.eps and the data). "
@@ -614,13 +649,13 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
                 preempted["flag"] = True
             if preempted["flag"] or mngr.reached_preemption(step):
                 save(step, force=True)
-                mngr.wait_until_finished()
+                finish_saves()
                 if is_chief:
                     print(f"preempted: saved step {step}; rerun the same command to resume", flush=True)
                 return last_metrics
         if mngr.latest_step() != step:
             save(step, force=True)
-        mngr.wait_until_finished()
+        finish_saves()
         if tc.optim.swa_every_steps:
             save_swa(workdir / "swa", state, step, mcfg, getattr(data, "tokenizer_file", None), is_chief)
         if is_chief:
@@ -630,8 +665,11 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
     finally:
         profiler.stop()
         signal.signal(signal.SIGTERM, previous_handler)
-        mngr.wait_until_finished()
-        mngr.close()
+        for close in (mngr.wait_until_finished, mngr.close):  # after a failed save: its error again
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - already reported in one line; the details in train.log
+                logging.getLogger("absl").exception("closing the checkpoint manager")
         writer.close()
         data.close()
         if best is not None:
@@ -728,7 +766,7 @@ def main(argv: list[str] | None = None) -> None:
     maybe_initialize_distributed(fv.coordinator_address, fv.num_processes, fv.process_id)
     try:
         train(config, fv.workdir)
-    except (ValueError, FileNotFoundError, FloatingPointError) as e:
+    except (ValueError, FileNotFoundError, FloatingPointError, RunFault) as e:
         fail(e)
 
 
