@@ -260,6 +260,64 @@ def damaged_error(root: str | os.PathLike, step: int, problem: str) -> DamagedCh
 
 
 # ----------------------------------------------------------------------------------------
+# A save that fails (a full disk, a lost mount): one line, no partial folder left behind.
+# ----------------------------------------------------------------------------------------
+_TMP = ".orbax-checkpoint-tmp"
+
+
+def failed_step(error: BaseException, default: int) -> int:
+    """The step whose save raised `error` (orbax names its temporary folder), else `default`."""
+    found = re.findall(r"(\d+)" + re.escape(_TMP), str(error))
+    return int(found[0]) if found else default
+
+
+def remove_partial_saves(root: str | os.PathLike) -> list[str]:
+    """Deletes the temporary folders of unfinished saves under `root` (never a finished step);
+    returns their names."""
+    root = epath.Path(root)
+    removed = []
+    for p in root.iterdir() if root.is_dir() else ():
+        if _TMP in p.name:
+            p.rmtree() if p.is_dir() else p.unlink()
+            removed.append(p.name)
+    return removed
+
+
+def _size(path: epath.Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def save_failure(root: str | os.PathLike, step: int, error: BaseException, state_bytes: int) -> str:
+    """One line for a save of `step` into `root` that raised `error`: why (the disk is full, ...),
+    the bytes a step needs (the newest finished step's size, else the state's) and those free,
+    and the newest intact checkpoint the run resumes from."""
+    import errno
+    import shutil
+
+    text = str(error)
+    code = re.search(r"os_error_code='(\d+)'", text)
+    number = getattr(error, "errno", None) or (int(code.group(1)) if code else None)
+    why = ("the disk is full" if number == errno.ENOSPC else os.strerror(number) if number else
+           (text.splitlines() or [type(error).__name__])[0][:160])
+    local = not paths.is_url(root)
+    steps = sorted(int(p.name) for p in epath.Path(root).iterdir() if p.name.isdigit()) if epath.Path(root).is_dir() else []
+    needed = _size(epath.Path(root) / str(steps[-1])) if steps and local else state_bytes
+    room = f"; a step needs ~{_bytes(needed)}" + (f", {_bytes(shutil.disk_usage(root).free)} free" if local else "")
+    resume = (f"rerun the same command to resume from step {steps[-1]} ({epath.Path(root) / str(steps[-1])})"
+              if steps else "no checkpoint was written: a rerun starts from step 0")
+    return (f"could not write checkpoint step {step} to {root}: {why}{room}; the partial folder was removed. "
+            f"Free space (or lower --config.keep_checkpoints), then {resume}")
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+# ----------------------------------------------------------------------------------------
 class StateSnapshot:
     """The iterator position frozen at save time, for grain's orbax checkpoint handler.
 
