@@ -18,9 +18,10 @@ rewritten atomically, so a crash cannot lose the good lines) and asks TensorBoar
 its events with step >= N, so steps logged again after a restart appear once.
 
 Only the chief (process 0) writes; other processes get a writer whose methods do nothing.
-Remote workdirs ("gs://..."): metrics.jsonl goes through fsspec (gcsfs for gs://) and is
-rewritten whole on every write, since object stores cannot append; the event files go through
-tensorboardX's own GCS/S3 writers (google-cloud-storage / boto3 must be installed).
+Bucket workdirs ("gs://..."): every file goes through the path layer (prolip_jax/paths.py,
+gcsfs for gs://). metrics.jsonl is rewritten whole on every write, since object stores cannot
+append; each TensorBoard event file is uploaded whole on every flush (`_BucketEventFile`, in
+place of tensorboardX's own gs:// writer, which needs google-cloud-storage).
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ import time
 from typing import Any, Callable, Collection, Mapping, TextIO
 
 import numpy as np
+
+from prolip_jax import paths
 
 JSONL_NAME = "metrics.jsonl"
 TB_DIR = "tb"
@@ -73,7 +76,34 @@ def format_duration(seconds: float) -> str:
 
 
 def _is_remote(path: str) -> bool:
-    return "://" in path
+    return paths.is_url(path)
+
+
+class _BucketEventFile:
+    """A TensorBoard event file in a bucket: buffered, uploaded whole through the path layer on
+    each flush (object stores cannot append). Stands in for tensorboardX's file handle."""
+
+    def __init__(self, path: str):
+        self.path, self.buffer = path, bytearray()
+
+    def write(self, data: bytes) -> None:
+        self.buffer += data
+
+    def flush(self) -> None:
+        paths.write_bytes_atomic(self.path, bytes(self.buffer))
+
+    def close(self) -> None:
+        self.flush()
+
+
+class _BucketEventFiles:
+    """tensorboardX's writer factory interface (record_writer.register_writer_factory)."""
+
+    def open(self, path: str) -> _BucketEventFile:
+        return _BucketEventFile(path)
+
+    def directory_check(self, path: str) -> None:
+        paths.makedirs(path)
 
 
 class MetricWriter:
@@ -98,6 +128,10 @@ class MetricWriter:
         self.path = workdir.rstrip("/") + "/" + JSONL_NAME
         kept = self._load_lines_before(resume_step)
         if _is_remote(workdir):
+            from tensorboardX import record_writer  # deferred like SummaryWriter below
+
+            # Event files in a bucket go through the path layer too (set before the writer opens).
+            record_writer.register_writer_factory(paths.protocol(workdir), _BucketEventFiles())
             self._remote_lines = kept
             self._rewrite_remote()
         else:
@@ -123,17 +157,7 @@ class MetricWriter:
     # ------------------------------------------------------------------------------ jsonl files
     def _load_lines_before(self, resume_step: int) -> list[str]:
         """Lines of an existing metrics.jsonl with step < resume_step; torn lines are dropped."""
-        text = ""
-        if _is_remote(self.path):
-            import fsspec
-
-            fs, path = fsspec.core.url_to_fs(self.path)
-            if fs.exists(path):
-                with fs.open(path, "r") as f:
-                    text = f.read()
-        elif os.path.exists(self.path):
-            with open(self.path) as f:
-                text = f.read()
+        text = paths.read_text(self.path) if paths.exists(self.path) else ""
         kept = []
         for line in text.splitlines():
             try:
@@ -145,10 +169,7 @@ class MetricWriter:
         return kept
 
     def _rewrite_remote(self) -> None:
-        import fsspec
-
-        with fsspec.open(self.path, "w") as f:
-            f.writelines(self._remote_lines)
+        paths.write_text_atomic(self.path, "".join(self._remote_lines))
 
     # ---------------------------------------------------------------------------------- writing
     def write(self, step: int, metrics: Mapping[str, Any], console: Collection[str] | None = None) -> None:
@@ -219,8 +240,7 @@ class MetricWriter:
 # ------------------------------------------------------------------------------ reading back
 def read_jsonl(path: str) -> list[dict[str, Any]]:
     """All records of a metrics.jsonl (null stays None)."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [json.loads(line) for line in paths.read_text(path).splitlines() if line.strip()]
 
 
 def read_tensorboard_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
@@ -235,11 +255,10 @@ def read_tensorboard_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
     from tensorboardX.proto import event_pb2
 
     scalars: dict[str, list[tuple[int, float]]] = collections.defaultdict(list)
-    for name in sorted(os.listdir(logdir)):
+    for name in paths.listdir(logdir):
         if "tfevents" not in name:
             continue
-        with open(os.path.join(logdir, name), "rb") as f:
-            data = f.read()
+        data = paths.read_bytes(paths.join(logdir, name))
         pos = 0
         while pos + 12 <= len(data):
             header = data[pos:pos + 8]

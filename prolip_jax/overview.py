@@ -17,6 +17,8 @@ import jax
 import numpy as np
 from clu import parameter_overview
 
+from prolip_jax import paths
+
 PARAMETERS_NAME = "parameters.txt"
 
 
@@ -57,6 +59,6 @@ def summary(params: Mapping[str, Any]) -> str:
 
 def write_parameter_table(workdir: str | Path, params: Mapping[str, Any]) -> str:
     """Writes the table to `<workdir>/parameters.txt`; returns the one line the trainer prints."""
-    path = Path(workdir) / PARAMETERS_NAME
-    path.write_text(parameter_table(params) + "\n")
+    path = paths.join(workdir, PARAMETERS_NAME)  # local or a bucket (prolip_jax/paths.py)
+    paths.write_text_atomic(path, parameter_table(params) + "\n")
     return f"{summary(params)}; the table: {path}"

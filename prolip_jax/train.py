@@ -419,7 +419,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
 
 def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str, Any]:
     """The run of `train`."""
-    workdir = Path(workdir)
+    workdir = paths.as_path(workdir)  # local or a bucket (gs://): prolip_jax/paths.py
     config = with_defaults(config.copy_and_resolve_references())
     tc = parse_config(config)  # the only parse: every part below gets its typed section
     run = tc.run
@@ -446,7 +446,7 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
 
     # ---- Pretrained weights (config.init): imported and checked now, applied after init. ---
     # A run that resumes never re-imports: its checkpoint already holds the warm-started state.
-    ckpt_dir = (workdir / "checkpoints").absolute()
+    ckpt_dir = paths.absolute(workdir / "checkpoints")
     resuming = ckpt_lib.is_checkpoint(ckpt_dir)
     apply_warm_start = None if resuming else warm_start.prepare(tc.init, mcfg, param_shapes)
 

@@ -28,11 +28,11 @@ import dataclasses
 import json
 import os
 import re
-from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
 
 import numpy as np
 
+from prolip_jax import paths
 from prolip_jax import messages
 from prolip_jax.models.config import ProLIPConfig
 from prolip_jax.models.layout import layout_of, to_layout
@@ -128,10 +128,9 @@ class WarmStartReport:
 
     def write(self, directory: str | os.PathLike) -> None:
         """`warm_start.txt` (the table) and `warm_start.json` (every row) in `directory`."""
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "warm_start.txt").write_text(self.table() + "\n")
-        (d / "warm_start.json").write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        paths.makedirs(directory)  # local or a bucket (prolip_jax/paths.py)
+        paths.write_text_atomic(paths.join(directory, "warm_start.txt"), self.table() + "\n")
+        paths.write_text_atomic(paths.join(directory, "warm_start.json"), json.dumps(self.to_json(), indent=1) + "\n")
 
 
 def _span(blocks: list[int]) -> str:
