@@ -16,9 +16,9 @@ process is behind by more than the ring) sends that batch in a one-off segment, 
 no waiting, so no worker can block on a main process that has stopped reading.
 
 Names: the worker creates and unlinks every segment (at its normal exit, via multiprocessing's
-exit hooks; if it is killed, the resource tracker unlinks them when the main process exits). The
-main process maps them by name without registering them with the resource tracker, so it never
-unlinks what it does not own.
+exit hooks). The main process maps them by name without registering them with the resource
+tracker, so it never unlinks what a running worker owns; when it closes, after the workers have
+stopped, it unlinks the ring segments a killed worker left (`Receiver.close`).
 """
 from __future__ import annotations
 
@@ -182,6 +182,20 @@ def _map(name: str) -> mmap.mmap:
         os.close(fd)
 
 
+def _release(name: str) -> None:
+    """Unlinks segment `name` if it still exists, and unregisters it from the resource tracker
+    (where the worker that created it registered it)."""
+    import _posixshmem
+    from multiprocessing import resource_tracker
+
+    name = "/" + name.lstrip("/")
+    try:
+        _posixshmem.shm_unlink(name)
+    except FileNotFoundError:   # its worker unlinked (and unregistered) it
+        return
+    resource_tracker.unregister(name, "shared_memory")
+
+
 class Receiver:
     """Main-process side: turns SharedImages back into arrays this process owns."""
 
@@ -209,9 +223,16 @@ class Receiver:
         return images
 
     def close(self) -> None:
+        """Unmaps every segment, then releases the names a worker left behind. Called once the
+        workers have stopped: one that ended normally has unlinked its ring already; one that was
+        killed (kill -9, the OOM killer) has not, and its ring is unlinked here and taken off the
+        resource tracker's list (no "leaked shared_memory objects" warning at exit)."""
+        names = [*self._flags, *(name for name, _ in self._data.values())]
         for _, data in self._data.values():
             data.close()
         for flags in self._flags.values():
             flags.close()
         self._data.clear()
         self._flags.clear()
+        for name in names:
+            _release(name)

@@ -355,9 +355,11 @@ TRAIN_ITEMS = (PARAMS, OPT_STATE, COUNTERS, CONFIG, DATA)
 
 
 def save_train_state(mngr: ocp.CheckpointManager, step: int, state: Any, model_config: ProLIPConfig,
-                     train_config: Any, data: Any, force: bool = False, locked: list[str] = ()) -> None:
+                     train_config: Any, data: Any, force: bool = False, locked: list[str] = (),
+                     data_state: StateSnapshot | None = None) -> None:
     """Asynchronous save of params, optimiser state, counters, config and the data position.
-    `locked`: the parameter paths locked at `step` (recorded in the config item)."""
+    `locked`: the parameter paths locked at `step` (recorded in the config item); `data_state`:
+    the data position to record instead of `data`'s own (the one before a failed read)."""
     import grain  # here, not at the top: loading a model for inference needs no grain
 
     meta = {"model": model_config.to_dict(), "train_config": json.loads(train_config.to_json_best_effort()),
@@ -372,7 +374,7 @@ def save_train_state(mngr: ocp.CheckpointManager, step: int, state: Any, model_c
         OPT_STATE: ocp.args.StandardSave(state.opt_state),
         COUNTERS: ocp.args.StandardSave({"step": state.step, "skipped": state.skipped}),
         CONFIG: ocp.args.JsonSave(meta),
-        DATA: grain.checkpoint.CheckpointSave(StateSnapshot.of(data)),
+        DATA: grain.checkpoint.CheckpointSave(data_state or StateSnapshot.of(data)),
     }))
 
 

@@ -17,6 +17,7 @@ from prolip_jax import train_flags
 if __name__ == "__main__":
     train_flags.exit_if_help(sys.argv, __doc__)
 
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -26,7 +27,7 @@ import re
 import signal
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import jax
 import jax.numpy as jnp
@@ -511,14 +512,14 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
 
     state_is_finite = jax.jit(lambda s: step_lib.all_finite((s.params, s.opt_state)), out_shardings=replicated)
 
-    def save(step: int, force: bool = False) -> None:
+    def save(step: int, force: bool = False, data_state: ckpt_lib.StateSnapshot | None = None) -> None:
         # The step never keeps a non-finite update; this guards the state a resume brought in.
         if not bool(to_host(state_is_finite(state))):
             raise FloatingPointError(f"the train state at step {step} is not finite; not saving it. "
                                      f"{last_good_checkpoint()}")
         try:
             ckpt_lib.save_train_state(mngr, step, state, mcfg, config, data, force=force,
-                                      locked=optim.locked_paths(param_shapes, tc.optim, step))
+                                      locked=optim.locked_paths(param_shapes, tc.optim, step), data_state=data_state)
         except Exception as e:  # noqa: BLE001 - a failed save (orbax re-raises the previous one's here)
             raise save_failed(e, step) from None
         saving["step"] = step
@@ -548,6 +549,28 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
         state_bytes = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state)))
         return RunFault(ckpt_lib.save_failure(ckpt_dir, failed, e, state_bytes))
 
+    @contextlib.contextmanager
+    def outside_the_model(what: str) -> Iterator[None]:
+        """A failure of `what` (the data pipeline, an evaluator, the metrics writer) leaves the
+        model state sound: it is saved first, then the run stops in one line naming both."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - every failure of these parts ends the same way
+            raise stopped_by(what, e) from None
+
+    def stopped_by(what: str, e: BaseException) -> BaseException:
+        if isinstance(e, (RunFault, FloatingPointError)):
+            return e
+        logging.getLogger("absl").error("%s failed after step %d", what, step, exc_info=e)  # train.log
+        gist = f"{type(e).__name__}: {' '.join(str(e).split())}"[:200]
+        if step == 0:
+            return RunFault(f"{what} failed before the first step ({gist}); no checkpoint was written")
+        if mngr.latest_step() != step:
+            save(step, force=True, data_state=data_state)  # the data position before the failed read
+        finish_saves()
+        return RunFault(f"{what} failed after step {step} ({gist}); saved checkpoint step {step} "
+                        f"({ckpt_dir / str(step)}): rerun the same command to resume from it")
+
     def last_good_checkpoint() -> str:
         good = mngr.latest_step()
         if good is None:
@@ -564,18 +587,24 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
     in_a_row = 0
     t_log, step_log = time.time(), start
     step = start
+    data_state = None  # the data position after the last batch read (None: the live iterator's)
     try:
         if run.eval_at_start and start == 0 and evaluators:
             values, shown = {}, []
             for settings, evaluator in evaluators:
-                evaluated_values = {settings["prefix"] + k: v for k, v in evaluator.run(state.params)}
+                with outside_the_model(f"evaluator {settings['name']!r}"):
+                    evaluated_values = {settings["prefix"] + k: v for k, v in evaluator.run(state.params)}
                 values.update(evaluated_values)
                 shown += headline(evaluator, evaluated_values)
             logged.update(values)
-            writer.write(0, values, console=shown)
+            with outside_the_model("the metrics writer"):
+                writer.write(0, values, console=shown)
             t_log = time.time()  # the evaluation is not training step time
         while step < run.total_steps:
-            batch = sharding.global_batch(next(data), mesh)
+            with outside_the_model("the data pipeline"):
+                batch = next(data)
+            data_state = ckpt_lib.StateSnapshot.of(data)  # where a resume continues if the next read fails
+            batch = sharding.global_batch(batch, mesh)
             profiler.before_step(step)
             if step == start and is_chief:
                 print("compiling the train step...", flush=True)
@@ -624,7 +653,8 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
             for settings, evaluator in evaluators:
                 if step % settings["log_steps"] == 0 or step == run.total_steps:
                     t_eval = time.time()
-                    evaluated_values = {settings["prefix"] + k: v for k, v in evaluator.run(state.params)}
+                    with outside_the_model(f"evaluator {settings['name']!r}"):
+                        evaluated_values = {settings["prefix"] + k: v for k, v in evaluator.run(state.params)}
                     values.update(evaluated_values)
                     hidden.update(set(evaluated_values) - set(headline(evaluator, evaluated_values)))
                     t_log += time.time() - t_eval  # evaluation time is not training step time
@@ -641,7 +671,8 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
                 raise ValueError(f"config.keep_best.metric={best.metric!r} is not a logged metric (set "
                                  f"--config.keep_best.metric); {hint}")
             if values:
-                writer.write(step, values, console=[k for k in values if k not in hidden])
+                with outside_the_model("the metrics writer"):
+                    writer.write(step, values, console=[k for k in values if k not in hidden])
                 last_metrics = values
             if step % run.checkpoint_steps == 0 and step < run.total_steps:
                 save(step)

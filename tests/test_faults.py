@@ -191,3 +191,90 @@ def test_full_disk_during_a_save_is_one_line(run, tmp_path, capfd, monkeypatch):
     monkeypatch.setattr(serialization, "async_serialize_from_host", write)  # space freed
     train.train(config(tmp_path), str(w))
     jax.tree.map(np.testing.assert_array_equal, params_of(ckpt, STEPS), params_of(run / "checkpoints", STEPS))
+
+
+# ------------------------------------------------------------------------- a failure outside the model
+class _FailingData:
+    """The run's data, whose read of batch `at` raises what grain raises when a worker dies."""
+
+    def __init__(self, data, at: int):
+        self._data, self._at, self._reads = data, at, 0
+
+    def __getattr__(self, name):
+        return getattr(self._data, name)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self._reads += 1
+        if self._reads == self._at:
+            raise RuntimeError("Worker process was terminated unexpectedly with exit code -9")
+        return next(self._data)
+
+
+class _FailingEvaluator:
+    HEADLINE = ()
+
+    def __init__(self, at: int):
+        self.calls, self.at = 0, at
+
+    def run(self, params):
+        self.calls += 1
+        if self.calls == self.at:
+            raise OSError("the evaluation data's mount is gone")
+        yield "eval/ok", 1.0
+
+
+@pytest.mark.parametrize("part", ["data", "evaluator"])
+def test_a_failure_outside_the_model_saves_first(run, tmp_path, capfd, monkeypatch, part):
+    """The data pipeline fails reading batch 3 / an evaluator fails at step 2: the state reached
+    is saved first, one line names what failed and the checkpoint, exit 2; the rerun continues
+    exactly (same batches: bit-identical to the uninterrupted run)."""
+    if part == "data":
+        build = train.build_train_data
+        monkeypatch.setattr(train, "build_train_data", lambda *a: _FailingData(build(*a), at=3))
+        saved, what = 2, "the data pipeline"
+        gist = "RuntimeError: Worker process was terminated unexpectedly with exit code -9"
+    else:
+        monkeypatch.setattr(train, "build_evaluators", lambda run_config, model: [
+            ({"name": "zs", "log_steps": 1, "prefix": ""}, _FailingEvaluator(at=2))])
+        saved, what = 2, "evaluator 'zs'"
+        gist = "OSError: the evaluation data's mount is gone"
+    w = tmp_path / "w"
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        # Checkpoints every 100 steps: the one at step 2 is the failure's.
+        train.main(["train"] + CLI + ["--workdir", str(w), "--config.checkpoint_steps=100"])
+    assert exit_.value.code == 2
+    ckpt = w / "checkpoints"
+    assert one_line(capfd.readouterr().err) == (
+        f"error: {what} failed after step {saved} ({gist}); saved checkpoint step {saved} ({ckpt / str(saved)}): "
+        "rerun the same command to resume from it")
+    assert sorted(p.name for p in ckpt.iterdir()) == [str(saved)] and checkpoint.check_step(ckpt, saved) is None
+    assert gist.split(": ", 1)[1] in (w / "train.log").read_text()  # the traceback, off the console
+
+    monkeypatch.undo()
+    out = train.train(config(tmp_path), str(w))
+    assert out["data/batches"] == STEPS  # none read twice, none skipped
+    jax.tree.map(np.testing.assert_array_equal, params_of(ckpt, STEPS), params_of(run / "checkpoints", STEPS))
+
+
+def test_a_killed_workers_image_ring_is_released_on_close():
+    """A worker killed with its ring in use cannot unlink it; the main process's Receiver does
+    when the pipeline closes (once the workers have stopped), and takes it off the resource
+    tracker's list."""
+    from input_pipeline import shared_batches
+
+    ring = shared_batches.ImageRing(2)
+    images, sent = ring.take((2, 4, 4, 3), np.uint8)
+    images[:] = 7
+    receiver = shared_batches.Receiver()
+    assert (receiver.receive(sent) == 7).all()
+    names = [sent.flags, sent.data]
+    assert all(Path("/dev/shm", n).exists() for n in names)
+    # The worker dies here (its exit hooks never run); the pipeline closes.
+    receiver.close()
+    assert not any(Path("/dev/shm", n).exists() for n in names)
+    ring._flags.close()  # what the dead worker's mappings were; its exit hook finds the names gone
+    ring._data[0].close()
