@@ -239,3 +239,21 @@ def test_validate_refuses_per_block_optimizers():
     with pytest.raises(ValueError, match="scan_layers=False"):
         train.validate(tc, sharding.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), jax.devices()[:1]),
                        train.model_config(tc))
+
+
+@pytest.mark.parametrize("fork_after", [0, 1, 2])
+def test_encoder_fork_points(fork_after):
+    """The stream after block fork_after - 1 (the input itself for 0: unc_layers == layers)."""
+    from prolip_jax.models.transformer import Encoder, block_init
+
+    enc = Encoder(2, 2, 32, 1e-5, "gelu", block_init(16, 2, 32, "torch"), attention_impl="xla")
+    x = np.random.default_rng(2).normal(size=(2, 5, 16)).astype(np.float32)
+    # (the field `init` shadows Module.init on an Encoder)
+    params = nn.unbox(nn.Module.init(enc, jax.random.key(0), x, fork_after=fork_after)["params"])
+    out_u, fork_u = enc.apply({"params": params}, x, fork_after=fork_after)
+    out_s, fork_s = enc.clone(scan=True).apply({"params": to_layout(params, True)}, x, fork_after=fork_after)
+    assert_tree_close((out_s, fork_s), (out_u, fork_u))
+    if fork_after == 0:
+        np.testing.assert_array_equal(np.asarray(fork_s), x)
+    if fork_after == 2:
+        np.testing.assert_array_equal(np.asarray(fork_u), np.asarray(out_u))

@@ -117,6 +117,8 @@ def _is_array(x: Any) -> bool:
 def _stack(leaves: list[Any]) -> Any:
     first = leaves[0]
     if not _is_array(first):  # None, optax.MaskedNode: a hole in every block or in none
+        if not (first is None or first == ()):
+            raise TypeError(f"cannot stack a {type(first).__name__} (boxed params: nn.unbox them first)")
         if any(type(x) is not type(first) for x in leaves):
             raise ValueError("some blocks have state and others not (a lock or group pattern that picks single "
                              "blocks); such a tree has no scanned layout")

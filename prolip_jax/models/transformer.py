@@ -364,11 +364,12 @@ class Encoder(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, fork_after: int | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
         """x [B, T, D] -> the stream after every block; with `fork_after` = n also the stream after
-        block n - 1 (a tower whose stream splits there: PCME++'s duplicated last blocks)."""
+        block n - 1, or x itself for n = 0 (a tower whose stream splits there: PCME++'s duplicated
+        last blocks, all of them when unc_layers == layers)."""
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"unknown remat policy {self.remat!r}; choose from {sorted(REMAT_POLICIES)}")
-        if fork_after is not None and not 0 < fork_after <= self.layers:
-            raise ValueError(f"fork_after={fork_after} must be in [1, layers={self.layers}]")
+        if fork_after is not None and not 0 <= fork_after <= self.layers:
+            raise ValueError(f"fork_after={fork_after} must be in [0, layers={self.layers}]")
         args = (self.num_heads, self.mlp_dim, self.ln_eps, self.act, self.init, self.dtype, self.attention_impl,
                 self.causal)
         policy = REMAT_POLICIES[self.remat]
@@ -378,11 +379,11 @@ class Encoder(nn.Module):
             step = ScanStep if self.remat == "none" else nn.remat(ScanStep, policy=policy, prevent_cse=False)
             blocks = nn.scan(step, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers,
                              metadata_params={nn.PARTITION_NAME: "layers"})(*args, fork_after, name="resblocks")
-            carry = x if fork_after is None else (x, jnp.zeros_like(x))
+            carry = x if fork_after is None else (x, x)  # fork_after 0: the branch starts from the input
             carry, _ = blocks(carry, jnp.arange(self.layers))
             return carry
         block = ResidualBlock if self.remat == "none" else nn.remat(ResidualBlock, policy=policy)
-        fork = None
+        fork = x if fork_after == 0 else None
         for i in range(self.layers):
             x = block(*args, name=f"resblocks_{i}")(materialize_cotangent(x))
             if i + 1 == fork_after:
