@@ -239,8 +239,22 @@ class MetricWriter:
 
 # ------------------------------------------------------------------------------ reading back
 def read_jsonl(path: str) -> list[dict[str, Any]]:
-    """All records of a metrics.jsonl (null stays None)."""
-    return [json.loads(line) for line in paths.read_text(path).splitlines() if line.strip()]
+    """All records of a metrics.jsonl (null stays None). A last line cut short (a run killed
+    while writing it) is skipped with a warning; a bad line before the last is a ValueError
+    naming it."""
+    lines = paths.read_text(path).splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if any(rest.strip() for rest in lines[i + 1:]):
+                raise ValueError(f"{path}: line {i + 1} is not valid JSON") from None
+            logging.getLogger(__name__).warning("%s: its last line is cut short (the run was stopped while "
+                                                "writing it); read the %d lines before it", path, len(records))
+    return records
 
 
 def read_tensorboard_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:

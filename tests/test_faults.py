@@ -278,3 +278,18 @@ def test_a_killed_workers_image_ring_is_released_on_close():
     assert not any(Path("/dev/shm", n).exists() for n in names)
     ring._flags.close()  # what the dead worker's mappings were; its exit hook finds the names gone
     ring._data[0].close()
+
+
+# ------------------------------------------------------------------------- beside the arrays
+def test_a_torn_last_metrics_line_is_skipped_with_a_warning(tmp_path, caplog):
+    from prolip_jax.metrics import read_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": null}\n{"step": 3, "lo')
+    with caplog.at_level("WARNING"):
+        assert read_jsonl(str(path)) == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": None}]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: its last line is cut short (the run was stopped while writing it); read the 2 lines before it"]
+    path.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n')  # damage before the end is not a torn write
+    with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not valid JSON$"):
+        read_jsonl(str(path))
