@@ -218,8 +218,10 @@ class InputIterator(grain.DatasetIterator):
         return batch
 
     def close(self) -> None:
-        super().close()   # stops the workers
-        self._receiver.close()
+        try:
+            super().close()   # stops the workers
+        finally:   # also when a dead worker makes stopping them fail
+            self._receiver.close()
 
     def _check_truncation(self) -> None:
         """Warns once when the share of truncated captions passes the configured limit."""

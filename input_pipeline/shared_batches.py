@@ -108,6 +108,7 @@ class ImageRing:
         self._flags.buf[:slots] = bytes(slots)
         self._data: list[shared_memory.SharedMemory | None] = [None] * slots
         self._next = 0
+        self._made = 0   # data segments are named <flags>-<slot>-<n>: a main process can find them all
         # Unlinks the names when the worker process ends normally (grain stops its workers by
         # an event, and multiprocessing runs these hooks as the process exits).
         util.Finalize(self, ImageRing._unlink, args=([self._flags], self._data), exitpriority=10)
@@ -138,7 +139,9 @@ class ImageRing:
                 ImageRing._unlink([segment])
                 self._data[k] = None
             _check_room(nbytes, self.slots)
-            segment = self._data[k] = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+            segment = self._data[k] = shared_memory.SharedMemory(
+                create=True, size=max(nbytes, 1), name=f"{self._flags.name}-{k}-{self._made}")
+            self._made += 1
             fresh = True
         else:
             fresh = False
@@ -228,11 +231,13 @@ class Receiver:
         killed (kill -9, the OOM killer) has not, and its ring is unlinked here and taken off the
         resource tracker's list (no "leaked shared_memory objects" warning at exit)."""
         names = [*self._flags, *(name for name, _ in self._data.values())]
+        if os.path.isdir("/dev/shm"):   # also the slots of a ring not yet seen here (Linux)
+            names += [n for flags in self._flags for n in os.listdir("/dev/shm") if n.startswith(flags + "-")]
         for _, data in self._data.values():
             data.close()
         for flags in self._flags.values():
             flags.close()
         self._data.clear()
         self._flags.clear()
-        for name in names:
+        for name in dict.fromkeys(names):
             _release(name)

@@ -262,22 +262,23 @@ def test_a_failure_outside_the_model_saves_first(run, tmp_path, capfd, monkeypat
 
 def test_a_killed_workers_image_ring_is_released_on_close():
     """A worker killed with its ring in use cannot unlink it; the main process's Receiver does
-    when the pipeline closes (once the workers have stopped), and takes it off the resource
-    tracker's list."""
+    when the pipeline closes (once the workers have stopped), the slots it never received
+    included, and takes them off the resource tracker's list."""
     from input_pipeline import shared_batches
 
     ring = shared_batches.ImageRing(2)
     images, sent = ring.take((2, 4, 4, 3), np.uint8)
     images[:] = 7
+    _, unseen = ring.take((2, 4, 4, 3), np.uint8)  # a batch still in grain's queue when the worker died
     receiver = shared_batches.Receiver()
     assert (receiver.receive(sent) == 7).all()
-    names = [sent.flags, sent.data]
+    names = [sent.flags, sent.data, unseen.data]
     assert all(Path("/dev/shm", n).exists() for n in names)
     # The worker dies here (its exit hooks never run); the pipeline closes.
     receiver.close()
     assert not any(Path("/dev/shm", n).exists() for n in names)
-    ring._flags.close()  # what the dead worker's mappings were; its exit hook finds the names gone
-    ring._data[0].close()
+    for segment in (ring._flags, *ring._data):  # the dead worker's mappings; its exit hook finds the names gone
+        segment.close()
 
 
 # ------------------------------------------------------------------------- beside the arrays
