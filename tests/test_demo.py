@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -25,9 +27,21 @@ def _demo_module():
     return _load("scripts/demo.py")
 
 
-def _run_demo(workdir: Path, cache: Path) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def demo_cache(tmp_path_factory) -> Path:
+    """The smoke split's dataset cache (configs/demo.py smoke=1): made by the first training that
+    needs it (the smoke test's `[1/3] demo dataset`), read by the others."""
+    return tmp_path_factory.mktemp("demo_cache")
+
+
+def _env(cache: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", PROLIP_JAX_CACHE=str(cache))
+    return env
+
+
+def _run_demo(workdir: Path, cache: Path) -> subprocess.CompletedProcess:
+    env = _env(cache)
     return subprocess.run(
         [sys.executable, "scripts/demo.py", "--workdir", str(workdir), "--config",
          "configs/demo.py:smoke=1", "--check"],
@@ -71,8 +85,8 @@ def test_smoke_targets_fail_at_chance():
     assert sum("MISSED" in line for line in lines) == len(checked) >= 5
 
 
-def test_demo_smoke_end_to_end(tmp_path):
-    workdir, cache = tmp_path / "demo", tmp_path / "cache"
+def test_demo_smoke_end_to_end(tmp_path, demo_cache):
+    workdir, cache = tmp_path / "demo", demo_cache
     run = _run_demo(workdir, cache)
     assert run.returncode == 0, f"stdout:\n{run.stdout[-4000:]}\nstderr:\n{run.stderr[-4000:]}"
     assert "all targets met: yes" in run.stdout
@@ -99,12 +113,11 @@ def _demo_module_steps() -> int:
     return _load("configs/demo.py").get_config("smoke=1").total_steps
 
 
-def test_two_demo_trainings_are_bit_identical(tmp_path):
+def test_two_demo_trainings_are_bit_identical(tmp_path, demo_cache):
     """The demo is deterministic on one machine: two fresh processes training the same config
     log the same loss at every step and end with bit-identical parameters (so two `make demo`
     runs print the same table; the evaluation is a pure function of the checkpoint)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PROLIP_JAX_CACHE=str(tmp_path / "cache"))
+    env = _env(demo_cache)
     runs = []
     for name in ("a", "b"):
         workdir = tmp_path / name
