@@ -1,4 +1,4 @@
-"""HierarCaps image traversal (paper §4.4, Table 2, Fig. 9, B.4; REFERENCE §3.4).
+"""HierarCaps image traversal (paper §4.4, Table 2, Fig. 9, B.4; naver-ai/prolip src/analysis/eval_hcaps.py).
 
 For every image (one per row of the HierarCaps test CSV; 4 caption levels each, level 0 the most
 general), as the reference's `src/analysis/eval_hcaps.py` does:

@@ -1,6 +1,6 @@
 """Cross-modal retrieval: image->text and text->image R@K, RSUM, R-Precision, mAP@R.
 
-What the reference computes (REFERENCE §3.3, `run_ret`): normalised mu, per-item uncertainty
+What the reference computes (naver-ai/prolip src/prolip_train/zero_shot_unc.py, `run_ret`): normalised mu, per-item uncertainty
 u = sum_d sigma_d^2, `i2t = mu_i @ mu_t.T - u_t/2` (and t2i likewise) -- -CSD/2 up to per-query
 constants, so the same ranking as -CSD -- then a stable argsort and `eccv_caption` metrics.
 Here the scores come from `common.blocked_scores` ("csd": -CSD, the paper's protocol; "dot":
@@ -123,7 +123,7 @@ def positive_ranks(scores: np.ndarray, positives: np.ndarray) -> np.ndarray:
 
     scores: [Q, M]; positives: int [Q, P] gallery indices, -1 = padding.
     Returns int64 [Q, P] (padding -> a huge value). Ties are broken like
-    `np.argsort(-scores, kind="stable")` (REFERENCE §3.3): an equal score at a lower gallery
+    `np.argsort(-scores, kind="stable")` (naver-ai/prolip src/prolip_train/zero_shot_unc.py): an equal score at a lower gallery
     index ranks first, so rank = #{s > s_p} + #{j < p : s_j == s_p}.
     """
     scores = np.asarray(scores)
@@ -209,8 +209,8 @@ def pearson(x: np.ndarray, y: np.ndarray) -> float:
 def binned_ranking(ranks: np.ndarray, unc: np.ndarray, bins: int = 10) -> dict[str, float]:
     """R@1 and mAP@R (%) of the queries in `bins` equal-count bins of increasing query
     uncertainty, and two bin-level Pearson correlations with each:
-      unc_corr_*: with the bin index (the reference's `eval_ret_unc`, REFERENCE §3.3);
-      unc_rho_*:  with the bin's mean uncertainty -- PCME++ (seed 003) Fig. 3 / Table C.5's rho
+      unc_corr_*: with the bin index (the reference's `eval_ret_unc`, naver-ai/prolip src/prolip_train/zero_shot_unc.py);
+      unc_rho_*:  with the bin's mean uncertainty -- PCME++ Fig. 3 / Table C.5's rho
                   ("the correlation coefficient between the uncertainty and the average R@1";
                   the paper names no estimator: the bin-level Pearson reading of its Fig. 3; -1 is ideal).
     Negative = uncertain queries are retrieved worse.
@@ -535,7 +535,7 @@ class Evaluator:
 
     def _fold_bins(self, fold_ranks: list, i_lv, t_lv) -> Iterator[tuple[str, float]]:
         """Recall per query-uncertainty bin over the queries of all folds, each ranked within
-        its fold (COCO 1K R@1 per bin: PCME++ seed 003 Fig. 3, rho of Table C.5)."""
+        its fold (COCO 1K R@1 per bin: PCME++ Fig. 3, rho of Table C.5)."""
         bins = self.config.unc_bins
         if not bins or i_lv is None or t_lv is None:
             return
@@ -609,7 +609,7 @@ class Evaluator:
 
     def _eccv(self, metrics: Any, data: EvalSet, i2t_top: np.ndarray,
               t2i_top: np.ndarray, prefix: str) -> Iterator[tuple[str, float]]:
-        """ECCV Caption and CxC metrics by eccv_caption on the top-k lists (REFERENCE §3.3)."""
+        """ECCV Caption and CxC metrics by eccv_caption on the top-k lists (naver-ai/prolip src/prolip_train/zero_shot_unc.py)."""
         image_ids, caption_ids = data.info["image_ids"], data.info["caption_ids"]
         i2t = {int(image_ids[q]): caption_ids[row].tolist() for q, row in enumerate(i2t_top)}
         t2i = {int(caption_ids[q]): image_ids[row].tolist() for q, row in enumerate(t2i_top)}

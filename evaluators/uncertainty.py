@@ -1,4 +1,4 @@
-"""Uncertainty analyses of a ProLIP model (paper §4.3, C.6; REFERENCE §3.4).
+"""Uncertainty analyses of a ProLIP model (paper §4.3, C.6; naver-ai/prolip src/analysis/eval_hcaps.py).
 
     ev = Evaluator(dict(dataset="demo", demo=dict(cache_dir=...)), model)   # model: ProLIP module
     arrays = ev.collect(params)          # per-item numpy arrays (plots)
@@ -24,7 +24,7 @@ Metrics, yielded as "uncertainty/<name>/<metric>" (<name>: config `name`, defaul
     order_monotone_rate            % of hierarchies strictly decreasing over all levels
     order_level{i}_gt_level{j}_rate  for i < j (Fig. C.4); level0_gt_level{K-1} is the headline
 
-Masked inputs follow the training recipe (REFERENCE §2.6): images keep a random 75% of patches
+Masked inputs follow the training recipe (naver-ai/prolip src/prolip_train/train.py): images keep a random 75% of patches
 (`image_keep_ratio` is a KEEP ratio, one subset per image), text tokens other than
 `protected_ids` are replaced by `mask_token_id` with probability 0.75. Ties count as "not
 ordered" / "not included" (strict inequalities, as eq. C.1).
@@ -262,7 +262,7 @@ class Evaluator:
         self.images_per_second = self.encoder.last_throughput
         txt_mu, txt_lv = self.encoder.texts(params, flat, progress)
 
-        # Masked views (REFERENCE §2.6): a random keep subset per image, tokens replaced at p.
+        # Masked views (naver-ai/prolip src/prolip_train/train.py): a random keep subset per image, tokens replaced at p.
         keep = np.asarray(_keep_indices(key_img, self.model.config.vision.num_patches,
                                         c.image_keep_ratio, n))
         m_img_mu, m_img_lv = self._encode_images(params, progress, keep)

@@ -1,12 +1,12 @@
-"""Zero-shot classification (paper §4.2; REFERENCE §3.1, §3.2).
+"""Zero-shot classification (paper §4.2; naver-ai/prolip src/prolip/zero_shot_classifier.py, §3.2).
 
 Class embedding = prompt ensemble: the mean over templates of the normalised text mu,
 re-normalised, and the mean over templates of sigma^2 (not normalised). Two scores:
     dot   100 * mu_img . mu_c                              (the reference's training-time eval)
-    csd   100 * mu_img . mu_c - 50 * sum_d sigma2_{c,d}    (REFERENCE §3.2 `unc_logits`; for unit
+    csd   100 * mu_img . mu_c - 50 * sum_d sigma2_{c,d}    (naver-ai/prolip src/prolip/zero_shot_classifier.py `unc_logits`; for unit
           mu_c this ranks classes exactly like -CSD, whose image terms are constant per row)
 Also the top-1 accuracy in 10 equal-count bins of image uncertainty sum_d sigma2_d and its
-correlation with the bin index (REFERENCE §3.1 `eval_clsf_unc`), and optionally BPRW
+correlation with the bin index (naver-ai/prolip src/prolip/zero_shot_classifier.py `eval_clsf_unc`), and optionally BPRW
 (evaluators/prompt_reweighting.py).
 
 Config: the fields of `Config` below (dataset "demo" | "imagefolder" | "tfds", class names and
@@ -132,7 +132,7 @@ def prompts(classnames: Sequence[str], templates: Sequence[str]) -> list[str]:
 # ----------------------------------------------------------------------------- pure functions
 def class_embeddings(text_mu: np.ndarray, text_logvar: np.ndarray, n_classes: int,
                      n_templates: int) -> tuple[np.ndarray, np.ndarray]:
-    """Prompt ensemble (REFERENCE §3.1/§3.2; paper §4.2).
+    """Prompt ensemble (naver-ai/prolip src/prolip/zero_shot_classifier.py; paper §4.2).
 
     text_mu [C*T, D] (unit norm), text_logvar [C*T, D], class-major (see `prompts`) ->
     (class mu [C, D] = normalise(mean_t mu_{c,t}), class sigma^2 [C, D] = mean_t exp(logvar)).
@@ -147,7 +147,7 @@ def zeroshot_logits(image_mu: np.ndarray, class_mu: np.ndarray,
                     class_sigma2: np.ndarray | None = None, kind: str = "dot") -> np.ndarray:
     """image_mu [N, D], class_mu [C, D], class_sigma2 [C, D] -> logits [N, C].
 
-    "dot": 100 mu_img . mu_c; "csd": 100 mu_img . mu_c - 50 sum_d sigma2_c (REFERENCE §3.2).
+    "dot": 100 mu_img . mu_c; "csd": 100 mu_img . mu_c - 50 sum_d sigma2_c (naver-ai/prolip src/prolip/zero_shot_classifier.py).
     """
     logits = 100.0 * np.asarray(image_mu, np.float64) @ np.asarray(class_mu, np.float64).T
     if kind == "dot":
@@ -469,7 +469,7 @@ class Evaluator:
 
     def _bprw(self, setting: Any, enc: dict[str, np.ndarray], class_mu: np.ndarray,
               class_s2: np.ndarray) -> Iterator[tuple[str, float]]:
-        """BPRW (REFERENCE §3.2) for one setting: accuracy with / without re-weighting."""
+        """BPRW (naver-ai/prolip src/prolip/zero_shot_classifier.py) for one setting: accuracy with / without re-weighting."""
         cfg = prompt_reweighting.parse_config(setting)
         mode = setting if setting in ("nn", "fewshot") else cfg.spec + ("-gt" if cfg.use_gt else "")
         n_cls, n_tpl = len(self.classnames), len(self.templates)

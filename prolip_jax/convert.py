@@ -1,4 +1,4 @@
-"""PyTorch state_dict <-> Flax params, and the Hugging Face folder layout (REFERENCE §4).
+"""PyTorch state_dict <-> Flax params, and the Hugging Face folder layout (naver-ai/prolip's ProLIPHF state dict).
 
 The reference checkpoint is a flat dict of float32 tensors keyed as `ProLIP.state_dict()`
 (311 tensors for B/16); a Hugging Face folder holds that dict as `model.safetensors` plus the
@@ -302,7 +302,7 @@ def unapply_rules(params: Mapping[str, Any], rules: list[Rule]) -> dict[str, np.
 
 
 def strip_prefix(state_dict: Mapping[str, Any], prefix: str = "module.") -> dict[str, Any]:
-    """DDP checkpoints prefix every key with 'module.' (REFERENCE §4.2)."""
+    """DDP checkpoints prefix every key with 'module.' (naver-ai/prolip's ProLIPHF save/load)."""
     if state_dict and all(k.startswith(prefix) for k in state_dict):
         return {k[len(prefix):]: v for k, v in state_dict.items()}
     return dict(state_dict)

@@ -271,7 +271,7 @@ def test_config_init_from_an_open_clip_file(tmp_path):
 def test_clip_into_pcmepp_and_pishdad_heads():
     """CLIP weights into PCME++'s towers (duplicated last block, GPO, per-branch projections) and
     Pishdad et al.'s (duplicated embedding layer): the shared trunk is loaded, the heads are new
-    at the target's initialisation (PCME++ starts its uncertainty block at random, seed 003 §2.4)."""
+    at the target's initialisation (PCME++ starts its uncertainty block at random, PCME++ §2.4)."""
     src_cfg = clip_like(MICRO)
     source = zeros(src_cfg)
     pcmepp = with_(MICRO, dict(unc_head="block", pool="gpo"), dict(unc_head="block", pool="gpo", pad_id=1))

@@ -1,4 +1,4 @@
-"""ProLIP: the two towers plus the learnable PPCL scale and bias (REFERENCE §1.1, §2.3).
+"""ProLIP: the two towers plus the learnable PPCL scale and bias (naver-ai/prolip src/prolip/model.py, §2.3).
 
 Every input becomes N(mu, diag sigma^2): mu is L2-normalised here (as the reference's
 `encode_*(normalize=True)`), log sigma^2 is returned raw. A tower configured without [UNC]
@@ -98,7 +98,7 @@ def count_params(params: Any) -> int:
 
 
 # ----------------------------------------------------------------------------------------
-# Masked inputs for the inclusion loss (REFERENCE §2.6).
+# Masked inputs for the inclusion loss (naver-ai/prolip src/prolip_train/train.py).
 # ----------------------------------------------------------------------------------------
 def num_kept_patches(num_patches: int, keep_ratio: float) -> int:
     """The reference keeps `int(N * image_mask_ratio)` patches (0.75 is a *keep* ratio)."""

@@ -1,4 +1,4 @@
-"""ProLIP text tower: a bidirectional Transformer with [UNC] and [CLS] appended (REFERENCE §1.3).
+"""ProLIP text tower: a bidirectional Transformer with [UNC] and [CLS] appended (naver-ai/prolip src/prolip/transformer.py TextTransformer).
 
 Token layout `[t_0 .. t_{L-1}, UNC, CLS]` + position rows 0..L+1 (the reference slices
 `positional_embedding[:L + 2]`, so a shorter input moves UNC/CLS to rows L, L+1); **no

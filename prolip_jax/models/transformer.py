@@ -1,6 +1,6 @@
 """Pre-norm Transformer encoder shared by both towers.
 
-Matches open_clip 2.24's `ResidualAttentionBlock` as used by ProLIP (REFERENCE §1.1):
+Matches open_clip 2.24's `ResidualAttentionBlock` as used by ProLIP (naver-ai/prolip src/prolip/model.py):
 `x = x + attn(ln_1(x)); x = x + mlp(ln_2(x))`, no dropout, no LayerScale, MLP
 `c_fc -> GELU -> c_proj` of width `int(d * mlp_ratio)`, heads are contiguous
 `head_dim`-wide chunks of the model width, q scaled by 1/sqrt(head_dim).
@@ -29,7 +29,7 @@ REMAT_POLICIES = {
 
 
 # ----------------------------------------------------------------------------------------
-# Initialisers (PyTorch defaults and open_clip's text-tower init, REFERENCE §1.2/§1.3).
+# Initialisers (PyTorch defaults and open_clip's text-tower init, naver-ai/prolip src/prolip/transformer.py VisionTransformer).
 # ----------------------------------------------------------------------------------------
 def normal(std: float) -> Initializer:
     return jax.nn.initializers.normal(stddev=std)
@@ -267,7 +267,7 @@ class Attention(nn.Module):
 
 
 class ResidualBlock(nn.Module):
-    """open_clip ResidualAttentionBlock (pre-norm), REFERENCE §1.1."""
+    """open_clip ResidualAttentionBlock (pre-norm), naver-ai/prolip src/prolip/model.py."""
 
     num_heads: int
     mlp_dim: int
@@ -427,10 +427,10 @@ class MAPHead(nn.Module):
 def block_init(width: int, layers: int, mlp_dim: int, style: str) -> dict:
     """Initialisers for one tower's blocks.
 
-    'torch' (vision, REFERENCE §1.2: PyTorch defaults): MHA in_proj xavier_uniform over the
+    'torch' (vision, naver-ai/prolip src/prolip/transformer.py VisionTransformer: PyTorch defaults): MHA in_proj xavier_uniform over the
     packed (3D, D) matrix, zero attention biases, out_proj and Linear weights and biases
     kaiming_uniform(a=sqrt(5)) = U(+-1/sqrt(fan_in)).
-    'open_clip_text' (TextTransformer.init_parameters, REFERENCE §1.3); Linear biases keep
+    'open_clip_text' (TextTransformer.init_parameters, naver-ai/prolip src/prolip/transformer.py TextTransformer); Linear biases keep
     PyTorch's default.
     """
     fan_in_uniform = lambda fan_in: uniform(fan_in ** -0.5)  # noqa: E731

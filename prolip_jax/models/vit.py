@@ -1,4 +1,4 @@
-"""ProLIP image tower: a ViT with an extra [UNC] token (REFERENCE §1.2, §9.1).
+"""ProLIP image tower: a ViT with an extra [UNC] token (naver-ai/prolip src/prolip/transformer.py VisionTransformer).
 
 Token layout `[CLS, UNC, patch_0 .. patch_{N-1}]` with position rows 0, 1, 2.. ; `ln_pre`,
 the blocks, `ln_post` on the tokens, then a *second* `ln_post` on CLS only (a quirk of the
@@ -19,10 +19,10 @@ The other papers' options (VisionConfig.unc_head / pool "gpo"; models/heads.py),
 trunk and with the same parameter names where they share a part:
 
     unc_head    log sigma^2 from                                            params only there
-    block       PCME++ (seed 003 §2.1): blocks L-n..L-1 duplicated, fresh    unc_transformer,
+    block       PCME++ (§2.1): blocks L-n..L-1 duplicated, fresh    unc_transformer,
                 init, on the trunk's first L-n blocks; no LayerNorm on that  unc_projection
                 branch (pcmepp/modules/clip/model.py ProbVisionTransformer)
-    embedding   Pishdad et al. (seed 001 §3.1): a duplicated projection on  unc_projection
+    embedding   Pishdad et al. (§3.1): a duplicated projection on  unc_projection
                 the same pooled feature as mu
     pool "gpo"  mu = GPO(proj(ln_post(every token))) (`gpo`); log sigma^2 = GPO of its own branch's
                 projected tokens (`unc_gpo`); SizeAugment drops tokens from both in training.
@@ -130,7 +130,7 @@ class VisionTower(nn.Module):
             pooled = ln_post(x[:, :n_prefix])
             mu_token = pooled[:, 0]
             if unc_token:
-                mu_token = ln_post(mu_token)  # ProLIP's CLS gets ln_post twice (REFERENCE §1.2 step 6)
+                mu_token = ln_post(mu_token)  # ProLIP's CLS gets ln_post twice (naver-ai/prolip src/prolip/transformer.py VisionTransformer step 6)
         else:  # "map": final norm on every token, then attention pooling (big_vision/timm SigLIP)
             pooled = ln_post(x)
             mu_token = MAPHead(c.heads, c.mlp_dim, c.ln_eps, act, init, self.dtype, self.attention_impl,

@@ -59,7 +59,7 @@ class InitConfig:
     vocab_pad: Literal["zeros", "fresh"] = "zeros"
     # Regexes (re.search on paths such as 'visual/proj', 'text/text_projection/kernel'): target
     # parameters that keep their fresh initialisation although the source has them, at any shape.
-    # PCME++ (seed 003 App. B.2; naver-ai/pcmepp `embed_size: 1024`) puts a new 1024-d Linear on
+    # PCME++ (PCME++ App. B.2; naver-ai/pcmepp `embed_size: 1024`) puts a new 1024-d Linear on
     # CLIP's 512-d trunks: `model.embed_dim=1024` plus fresh=("^visual/proj$", "^text/text_projection/").
     fresh: tuple[str, ...] = ()
 
@@ -79,7 +79,7 @@ _OPTIONAL = re.compile(
     r"|text/(cls_emb|unc_emb|text_uncertainty_projection/.*|text_projection/bias)"
     r"|logit_bias"
     # PCME++ / Pishdad et al. heads (models/heads.py): new in a model warm-started from CLIP, the
-    # duplicated block at its random init as PCME++ starts it (seed 003 §2.4).
+    # duplicated block at its random init as PCME++ starts it (PCME++ §2.4).
     r"|(visual|text)/(unc_transformer|unc_projection|gpo|unc_gpo)/.*)$")
 _RESIZABLE = ("visual/positional_embedding", "text/positional_embedding", "text/token_embedding")
 
