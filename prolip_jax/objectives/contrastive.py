@@ -118,7 +118,7 @@ siglip = types.SimpleNamespace(Config=SiglipConfig, loss=siglip_loss, NEEDS_LOGV
 # -------------------------------------------------------------------------------------- vse
 @dataclasses.dataclass(frozen=True)
 class VseConfig:
-    margin: float = 0.2  # VSE∞'s margin, as configured by PCME++ (PCME++ App. B.2)
+    margin: float = 0.2  # VSE∞'s margin, as configured by PCME++ (App. B.2)
     # True: hardest negative (VSE++). False: VSE0's sum over negatives throughout.
     max_violation: bool = True
     # VSE∞'s warm-up (vse_mean_warmup_epochs in its train.py): the sum over negatives for the

@@ -1,4 +1,4 @@
-"""PCME++ (PCME++ §2; the authors' pcmepp/criterions/pcmepp.py and pcmepp/engine.py).
+"""PCME++ ("Improved Probabilistic Image-Text Representations", Chun, §2; the authors' pcmepp/criterions/pcmepp.py and pcmepp/engine.py).
 
     logits  l_ij = -a d(Z_v_i, Z_t_j) + b            d = CSD (eq. 1) or a Table 4 ablation distance
     total   = 2 * mean_ij BCE(l, m~)                                           "match"    (eq. 2)

@@ -59,7 +59,7 @@ class InitConfig:
     vocab_pad: Literal["zeros", "fresh"] = "zeros"
     # Regexes (re.search on paths such as 'visual/proj', 'text/text_projection/kernel'): target
     # parameters that keep their fresh initialisation although the source has them, at any shape.
-    # PCME++ (PCME++ App. B.2; naver-ai/pcmepp `embed_size: 1024`) puts a new 1024-d Linear on
+    # PCME++ (App. B.2; naver-ai/pcmepp `embed_size: 1024`) puts a new 1024-d Linear on
     # CLIP's 512-d trunks: `model.embed_dim=1024` plus fresh=("^visual/proj$", "^text/text_projection/").
     fresh: tuple[str, ...] = ()
 
