@@ -61,7 +61,7 @@ def _targets(zs: float, r_at: int, r_min: float, order: float, inclusion: float)
 # The targets for `make demo` (held-out splits).
 TARGETS = _targets(zs=80.0, r_at=1, r_min=50.0, order=90.0, inclusion=70.0)
 # Targets the current recipe is known to miss, with why, printed on the target's own line when
-# it is missed (README "The demo" has the measurements).
+# it is missed (docs/demo.md has the measurements).
 KNOWN_MISSES = {
     "level 0 more uncertain than level 3": "known: one caption true of every image is calibrated "
     "by its mean, not sigma^2 (docs/demo.md)",
