@@ -41,7 +41,7 @@ from input_pipeline.config import DataConfig
 from prolip_jax import checkpoint as ckpt_lib
 from prolip_jax import flops as flops_lib
 from prolip_jax import config_args, library_logs, messages, objectives, optim, overview, profiling, schema, sharding
-from prolip_jax import paths
+from prolip_jax import paths, peers
 from prolip_jax import step as step_lib
 from prolip_jax.data import build_train_data
 from prolip_jax.metrics import MetricWriter
@@ -795,10 +795,16 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
     maybe_initialize_distributed(fv.coordinator_address, fv.num_processes, fv.process_id)
+    watch = peers.watch(fv.workdir)  # several processes: a lost one ends the others in one line
+    code = 2
     try:
         train(config, fv.workdir)
+        code = 0
     except (ValueError, FileNotFoundError, FloatingPointError, RunFault) as e:
         fail(e)
+    finally:
+        if watch is not None:
+            watch.stop(code)
 
 
 if __name__ == "__main__":

@@ -294,3 +294,90 @@ def test_a_torn_last_metrics_line_is_skipped_with_a_warning(tmp_path, caplog):
     path.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n')  # damage before the end is not a torn write
     with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not valid JSON$"):
         read_jsonl(str(path))
+
+
+# ------------------------------------------------------------------------- a lost host
+class _KeyValues:
+    """The coordination service's key-value store, as PeerWatch uses it."""
+
+    def __init__(self):
+        self.values, self.down = {}, False
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        if self.down:
+            raise RuntimeError("UNAVAILABLE: Failed to send RPC to coordination service")
+        self.values[key] = value
+
+    def key_value_try_get(self, key):
+        if key not in self.values:
+            raise RuntimeError(f"NOT_FOUND: {key}")
+        return self.values[key]
+
+
+def test_peer_watch_names_a_silent_failed_or_unreachable_process():
+    from prolip_jax.peers import PeerWatch
+
+    now = [0.0]
+    kv = _KeyValues()
+    me, other = (PeerWatch(kv, p, 2, on_lost=print, timeout_s=30, clock=lambda: now[0]) for p in (0, 1))
+    for t in (0, 10, 20, 30):  # both beat
+        now[0] = t
+        assert other.check_once() is None and me.check_once() is None
+    now[0] = 55  # process 1 is killed after its beat at 30 s
+    assert me.check_once() is None
+    now[0] = 61
+    assert me.check_once() == "process 1 of 2 has sent no heartbeat for 31 s (killed, or its machine lost)"
+    other.stop(0)  # ... unless it ended cleanly (the run finished, or was preempted and saved)
+    assert me.check_once() is None and 1 not in me.seen
+    kv.values["prolip_jax/exit/0"] = "2"
+    assert PeerWatch(kv, 1, 2, print).check_once() == "process 0 of 2 stopped with an error (see its output)"
+    kv.down = True
+    assert PeerWatch(kv, 1, 2, print).check_once().startswith("the run's coordinator (process 0) does not answer")
+
+
+def test_a_lost_process_ends_the_other_in_one_line(tmp_path):
+    """Two processes x 4 CPU devices: process 1 is killed with SIGKILL after step 3; process 0
+    stops within PROLIP_PEER_TIMEOUT_S (+ one beat) with one line, exit 2, never hanging; both
+    restarted resume from the checkpoint of step 2 and finish."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import time
+
+    from test_train_processes import ARGS, _free_port
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               PYTHONUNBUFFERED="1", PROLIP_PEER_TIMEOUT_S="10", PYTHONPATH=str(ROOT),
+               # A fresh cache: both processes compile on the first start, both read it on the restart.
+               JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))
+
+    def start(steps):
+        port = _free_port()
+        return [subprocess.Popen(
+            [sys.executable, "-m", "prolip_jax.train", "--config", f"configs/tiny.py:data=random,steps={steps}",
+             "--workdir", str(tmp_path / "w"), *ARGS, "--config.checkpoint_steps=2",
+             "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i)],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+
+    procs = start(1000)
+    for line in procs[0].stdout:  # the chief's progress lines
+        if line.startswith("[   3/"):
+            break
+    procs[1].send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    out, err = procs[0].communicate(timeout=120)
+    waited = time.monotonic() - t0
+    procs[1].communicate()
+    assert procs[0].returncode == 2 and waited < 10 + 5 + 10, waited
+    assert re.fullmatch(
+        r"error: process 1 of 2 has sent no heartbeat for 1\d s \(killed, or its machine lost\); stopping process 0 "
+        r"too\. Restart every process with the same command: the run resumes from the newest intact checkpoint in "
+        + re.escape(str(tmp_path / "w" / "checkpoints")), one_line(err)), err
+    assert checkpoint.resolve(tmp_path / "w" / "checkpoints")[1] >= 2
+
+    procs = start(6)
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert "resumed from" in outs[0][0]
+    assert checkpoint.resolve(tmp_path / "w" / "checkpoints")[1] == 6
