@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from input_pipeline import tokenizer_files
+from prolip_jax import paths
 from prolip_jax.paths import chmod_default
 from prolip_jax import convert
 from prolip_jax import normalization as normalization_lib
@@ -47,9 +46,8 @@ def save_hf(hf_dir: str | os.PathLike, params: Mapping[str, Any], config: ProLIP
         raise FileExistsError(f"{hf_dir} exists and is not empty (pass overwrite=True / --overwrite)")
     state_dict = convert.flax_to_torch(params, config)
     config_dict = config.without_training_options().to_dict()  # SizeAugment: no reference key
-    hf_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{hf_dir.name}.tmp-", dir=hf_dir.parent))
-    try:
+    with paths.replacing_folder(hf_dir) as tmp:
+        tmp.mkdir()
         save_file(state_dict, str(tmp / convert.WEIGHTS_NAME), metadata={"format": "pt"})
         if tokenizer is not None:
             config_dict["text_cfg"].pop("hf_tokenizer_name", None)  # the variant's, not this model's
@@ -65,12 +63,6 @@ def save_hf(hf_dir: str | os.PathLike, params: Mapping[str, Any], config: ProLIP
         for f in tmp.iterdir():
             chmod_default(f)
         chmod_default(tmp)
-        if hf_dir.exists():
-            shutil.rmtree(hf_dir)
-        os.replace(tmp, hf_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return hf_dir
 
 

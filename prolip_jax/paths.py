@@ -7,6 +7,7 @@ these functions, so a `gs://bucket/...` path works wherever a local one does:
     makedirs              read_bytes / read_text       write_bytes_atomic / write_text_atomic
     join(base, *names)    as_path / absolute (an etils epath, for code that wants a Path object)
     require_local(path, what, advice): the one-line refusal for readers that need local files
+    replacing_folder(out): a local output folder written whole or not at all
 
 Local paths use the os module; URLs use fsspec (gcsfs serves gs://, s3fs s3://). orbax writes
 checkpoints through etils.epath, which also resolves gs:// to fsspec's "gcs" filesystem when
@@ -16,11 +17,15 @@ the backend installed a URL fails at once with one line naming the package to in
 from __future__ import annotations
 
 import builtins
+import contextlib
 import glob as glob_lib
 import os
 import re
+import shutil
 import tempfile
-from typing import IO, Any
+import uuid
+from pathlib import Path
+from typing import IO, Any, Iterator
 
 from etils import epath
 
@@ -205,3 +210,23 @@ def write_bytes_atomic(path: PathLike, data: bytes) -> None:
 
 def write_text_atomic(path: PathLike, text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
+
+
+@contextlib.contextmanager
+def replacing_folder(out: str | os.PathLike) -> Iterator[Path]:
+    """A local output folder written whole or not at all (an export, a converted checkpoint, an
+    evaluation's results): yields a fresh path beside `out`, not yet created (the writer creates
+    it: orbax wants to, mkdir gives the usual permissions). When the block ends it replaces `out`;
+    on an error it is removed and `out` is left as it was."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+

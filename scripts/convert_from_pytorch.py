@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
-import uuid
 from pathlib import Path
 
 
@@ -41,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     args = p.parse_args(argv)
 
-    from prolip_jax import checkpoint, tool_paths
+    from prolip_jax import checkpoint, paths, tool_paths
     from prolip_jax.pretrained.loader import load_pretrained
 
     source, fmt = (args.hf_dir, "prolip") if args.hf_dir else (args.src, args.format)
@@ -65,16 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     if normalization is not None:
         metadata["normalization"] = normalization
     # Written beside --out, renamed into place when complete: an error leaves nothing half-written.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
+    with paths.replacing_folder(out) as tmp:
         checkpoint.save_params(tmp, params, config, step=args.step, metadata=metadata, tokenizer=tokenizer)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     path = out / str(args.step)
     if tokenizer is not None:
         print(f"tokenizer: {tokenizer.kind} (sha256 {tokenizer.sha256[:12]}) recorded with the checkpoint")

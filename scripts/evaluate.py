@@ -47,7 +47,6 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
 import tempfile
 import time
@@ -370,7 +369,7 @@ def evaluate(checkpoint: str, config: Any, out: Path, step: int | None = None,
     modules = resolve_evaluators(evals, skip_missing)  # fail before the (slow) load
     if not modules:
         raise SystemExit("error: no evaluator to run")
-    from prolip_jax import tool_paths
+    from prolip_jax import paths, tool_paths
 
     tool_paths.check_out(out, overwrite is not False)
 
@@ -420,10 +419,8 @@ def evaluate(checkpoint: str, config: Any, out: Path, step: int | None = None,
     if jax.process_index() != 0:   # every host has the same results; one writes them
         return results
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
-    tmp.mkdir()  # a plain mkdir: the folder gets the usual permissions
-    try:
+    with paths.replacing_folder(out) as tmp:
+        tmp.mkdir()  # a plain mkdir: the folder gets the usual permissions
         write_json_atomic(tmp / "results.json", {k: _jsonable(v) for k, v in results.items()})
         (tmp / "results.md").write_text(markdown_table(results, f"{checkpoint}"))
         for name, ev in suites.items():   # the suite's table: suite.json + suite.md
@@ -431,12 +428,6 @@ def evaluate(checkpoint: str, config: Any, out: Path, step: int | None = None,
 
             write_tables(ev.rows, tmp, {"checkpoint": str(checkpoint), "evaluator": name})
         written = make_plots(collected, {n: evals[n]["type"] for n in modules}, per_eval, tmp) if plots else []
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if suites:
         print(f"wrote {out / 'suite.md'}")
     print(f"wrote {out / 'results.json'}, {out / 'results.md'} ({len(results)} values) and "
