@@ -7,6 +7,7 @@ stand-ins (the Python API example against a tiny checkpoint; the scripts' `--hel
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
@@ -108,9 +109,7 @@ def script_help(script: str) -> str:
 
 @lru_cache(maxsize=None)
 def train_config(spec: str):
-    from ml_collections import config_flags  # noqa: F401  (the trainer's loader)
-
-    import importlib.util
+    """The ConfigDict of `configs/X.py[:arg]`, loaded as the trainer loads it (get_config(arg))."""
     path, _, arg = spec.partition(":")
     module_spec = importlib.util.spec_from_file_location("_readme_config", ROOT / path)
     module = importlib.util.module_from_spec(module_spec)
