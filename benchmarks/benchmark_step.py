@@ -152,17 +152,14 @@ class Bench:
     def __init__(self, config):
         from prolip_jax import optim, sharding
         from prolip_jax import step as step_lib
-        from prolip_jax.models import ProLIP
-        from prolip_jax.train import model_config, step_config, parse_config
+        from prolip_jax.train import build_model, model_config, step_config, parse_config
 
         self.config, self.sharding, self.step_lib = config, sharding, step_lib
         tc = parse_config(config)
         self.mcfg = model_config(tc)
         self.mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
         self.scfg = step_config(tc)
-        self.model = ProLIP(self.mcfg, dtype=jnp.dtype(config.model.dtype),
-                            attention_impl=config.model.attention_impl, remat=config.model.remat,
-                            scan_layers=tc.model.scan_layers)
+        self.model = build_model(tc, self.mcfg)
         self.tx, self.schedule = optim.make_optimizer(tc.optim, config.total_steps)
         self.state, self.state_sh = None, None
 

@@ -20,7 +20,7 @@ gradient exactly (no dropout, no batch statistics) for one microbatch's activati
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import flax.linen as nn
 import flax.struct
@@ -48,10 +48,31 @@ class TrainState:
     skipped: jax.Array  # int32 []: total updates skipped for a non-finite loss, gradient or update
 
 
-def all_finite(tree: Any) -> jax.Array:
-    """bool []: every floating-point leaf of `tree` is finite (integer leaves always are)."""
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+def all_finite(tree: Any, fused: bool = False) -> jax.Array:
+    """bool []: every floating-point leaf of `tree` is finite (integer leaves always are).
+
+    fused (StepOptions.finite_guard): one float sum of `x * 0` over every leaf instead of a
+    boolean reduction per leaf; x * 0 is 0 for finite x and NaN for an inf or NaN, so the sum is
+    finite exactly when every leaf is, and cannot overflow. A float sum is what XLA can fold into
+    the kernel that writes the leaf (the optimiser update), where ~400 boolean reductions were
+    400 kernels of their own on the GPU (docs/gpu_results/2026-11-24-h100/breakdown.txt)."""
+    floats = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    if not floats:
+        return jnp.array(True)
+    if fused:
+        return jnp.isfinite(sum(jnp.sum(x * 0, dtype=jnp.float32) for x in floats))
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in floats]))
+
+
+def compute_copy(params: Any, dtype: jnp.dtype) -> Any:
+    """The params with every kernel (a leaf named `*kernel`: all the towers' matmul weights) cast
+    to the compute dtype once, for StepOptions.cast_params_once. The layers cast their kernel at
+    each use (`kernel.astype(dtype)`), which is then a no-op; norms, embeddings, heads and the
+    loss's scalars keep float32. Gradients come back float32 through the cast."""
+    def cast(path, x):
+        name = getattr(path[-1], "key", "")
+        return x.astype(dtype) if str(name).endswith("kernel") and x.dtype != dtype else x
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def sigma2_metrics(features: dict) -> dict[str, jax.Array]:
@@ -85,6 +106,20 @@ class MaskingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """`config.step`: how the step computes, not what. Each option is a speed lever measured in
+    docs/performance.md and tested against the default step (tests/test_speed_levers.py)."""
+
+    # A bfloat16/float16 copy of the kernels made once per step, used by the full and the masked
+    # forward, instead of a cast at every use. Not bit-identical in 16-bit compute: the two
+    # forwards' weight gradients then add in the compute dtype before the cast back to float32.
+    cast_params_once: bool = False
+    # "per_leaf": a boolean reduction per leaf of grads, params and optimiser state; "fused": one
+    # float sum (all_finite). The same decision either way.
+    finite_guard: Literal["per_leaf", "fused"] = "per_leaf"
+
+
+@dataclasses.dataclass(frozen=True)
 class StepConfig:
     objective: str = "prolip"  # a name in prolip_jax.objectives.REGISTRY
     loss: Any = None  # that objective's Config; None = its defaults
@@ -93,6 +128,7 @@ class StepConfig:
     microbatches: int = 1
     seed: int = 0
     normalization: str = "openai"  # for uint8 batches, normalised on device (cheaper on the host)
+    options: StepOptions = StepOptions()
 
     @property
     def module(self) -> Any:
@@ -239,11 +275,14 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
                               masked_rows=masked_rows if m_group else None, rng=ctx["rng"], mesh=mesh,
                               **extra)
 
+    opts = cfg.options
+    compute = (lambda p: compute_copy(p, model.dtype)) if opts.cast_params_once else (lambda p: p)  # noqa: E731
+
     def grads_one_batch(train, frozen, images, tokens, m_images, m_tokens, keep_idx, ctx):
         rng_full, rng_masked = jax.random.split(ctx["rng_augment"])
 
         def total(t):
-            p = join(t, frozen)
+            p = compute(join(t, frozen))
             f = features(p, images, tokens, rng=rng_full)
             mf = features(p, m_images, m_tokens, keep_idx, rng_masked) if m_group else None
             loss, terms = loss_from_features(f, mf, p["logit_scale"], p["logit_bias"], ctx)
@@ -252,7 +291,7 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
         return loss, terms, f, grads
 
     def grads_cached(train, frozen, images, tokens, m_images, m_tokens, keep_idx, ctx):
-        params = join(train, frozen)
+        params = compute(join(train, frozen))
         split_mb = lambda x: split_microbatches(x, n_shards, k)  # noqa: E731
         merge_mb = lambda x: merge_microbatches(x, n_shards)  # noqa: E731
         rng_full, rng_masked = (jax.random.split(r, k) for r in jax.random.split(ctx["rng_augment"]))
@@ -269,7 +308,7 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
 
         def pull_back(acc, xs, keep=None):
             imgs, toks, rng, g = xs
-            _, vjp = jax.vjp(lambda t: features(join(t, frozen), imgs, toks, keep, rng), train)
+            _, vjp = jax.vjp(lambda t: features(compute(join(t, frozen)), imgs, toks, keep, rng), train)
             return jax.tree.map(jnp.add, acc, vjp(g)[0]), None
 
         grads = jax.tree.map(jnp.zeros_like, train)
@@ -307,7 +346,9 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
 
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = clamp_logit_scale(optax.apply_updates(state.params, updates))
-        finite = jnp.isfinite(loss) & all_finite(grads) & all_finite(params) & all_finite(opt_state)
+        fused = opts.finite_guard == "fused"
+        finite = (jnp.isfinite(loss) & all_finite(grads, fused) & all_finite(params, fused)
+                  & all_finite(opt_state, fused))
         # One conditional, not a `jnp.where(finite, ...)` per leaf: XLA:CPU fuses the whole
         # `finite` reduction (an `and` per leaf) into every leaf's select, a program quadratic in
         # the number of leaves (the small model's step: 143 MB of HLO, 4 minutes to compile).

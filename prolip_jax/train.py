@@ -98,6 +98,9 @@ class ModelOptions:
     attention_impl: Literal["auto", "xla", "cudnn"] = "auto"
     # False: on CPU the scanned step is 6-17% slower and B/16's compiled temporaries 1.7x (docs/performance.md)
     scan_layers: bool = False  # each tower's blocks as one nn.scan (models/layout.py): 4x faster B/16 compile
+    # The blocks on [B*T, D] token matrices (models/transformer.py residual_block): a GPU speed
+    # lever, the same arithmetic (tests/test_speed_levers.py; docs/performance.md).
+    flat_tokens: bool = False
     init_logit_scale: float = PAPER_INIT_LOGIT_SCALE  # log a
     init_logit_bias: float | None = None  # b; None: the variant's (ProLIP: -10)
     # The joint embedding's size (mu, sigma^2); 0: the variant's. PCME++ on COCO: 1024 on CLIP's
@@ -113,6 +116,7 @@ class ModelOptions:
 SECTIONS: dict[str, type] = {
     "model": ModelOptions,
     "masking": step_lib.MaskingConfig,  # ProLIP's masked forward
+    "step": step_lib.StepOptions,  # how the step computes: speed levers, same result (prolip_jax/step.py)
     "targets": TargetsConfig,  # positives and MSDA (prolip_jax/targets.py)
     "optim": optim.OptimConfig,
     "mesh": sharding.MeshConfig,
@@ -130,6 +134,7 @@ class TrainConfig:
     run: RunConfig
     model: ModelOptions
     masking: step_lib.MaskingConfig
+    step: step_lib.StepOptions
     targets: TargetsConfig
     optim: optim.OptimConfig
     mesh: sharding.MeshConfig
@@ -197,7 +202,14 @@ def model_config(tc: TrainConfig) -> ProLIPConfig:
 def step_config(tc: TrainConfig) -> step_lib.StepConfig:
     return step_lib.StepConfig(
         objective=tc.objective, loss=tc.loss, masking=tc.masking, targets=tc.targets,
-        microbatches=tc.run.microbatches, seed=tc.run.seed, normalization=tc.normalization)
+        microbatches=tc.run.microbatches, seed=tc.run.seed, normalization=tc.normalization, options=tc.step)
+
+
+def build_model(tc: TrainConfig, mcfg: ProLIPConfig) -> ProLIP:
+    """The module the step runs: the towers of `mcfg` with config.model's compute options."""
+    m = tc.model
+    return ProLIP(mcfg, dtype=jnp.dtype(m.dtype), attention_impl=m.attention_impl, remat=m.remat,
+                  scan_layers=m.scan_layers, flat_tokens=m.flat_tokens)
 
 
 def validate(tc: TrainConfig, mesh, mcfg: ProLIPConfig) -> None:
@@ -432,8 +444,7 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
     validate(tc, mesh, mcfg)
     tc.profile.check(run.total_steps)
     scfg = step_config(tc)
-    model = ProLIP(mcfg, dtype=jnp.dtype(tc.model.dtype), attention_impl=tc.model.attention_impl,
-                   remat=tc.model.remat, scan_layers=tc.model.scan_layers)
+    model = build_model(tc, mcfg)
     param_shapes = abstract_params(mcfg, scan_layers=tc.model.scan_layers)
     # The optimiser depends on the step (a locked tower unlocks at optim.unlock_step), so it is
     # built once the step to start from is known.

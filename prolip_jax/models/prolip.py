@@ -37,13 +37,14 @@ class ProLIP(nn.Module):
     attention_impl: str = "auto"  # 'auto' | 'xla' | 'cudnn'
     remat: str = "none"  # see transformer.REMAT_POLICIES
     scan_layers: bool = False  # each tower's blocks as one nn.scan (models/layout.py: the params' layout)
+    flat_tokens: bool = False  # the blocks on [B*T, D] matrices: a GPU speed lever (transformer.residual_block)
 
     def setup(self):
         c = self.config
         self.visual = VisionTower(c.vision, c.embed_dim, c.quick_gelu, self.dtype, self.attention_impl, self.remat,
-                                  self.scan_layers)
+                                  self.scan_layers, self.flat_tokens)
         self.text = TextTower(c.text, c.embed_dim, c.quick_gelu, self.dtype, self.attention_impl, self.remat,
-                              self.scan_layers)
+                              self.scan_layers, self.flat_tokens)
         self.logit_scale = self.param(
             "logit_scale", nn.with_logical_partitioning(constant(c.init_logit_scale), ()), ())
         self.logit_bias = self.param(

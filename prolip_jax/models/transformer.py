@@ -227,7 +227,11 @@ class Attention(nn.Module):
     causal: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, kv: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, kv: jax.Array | None = None, tokens: tuple[int, int] | None = None
+                 ) -> jax.Array:
+        """x [B, T, D] -> [B, T, D]; or x [B*T, D] with `tokens` = (B, T) (the flattened tokens of
+        `flat_tokens`) -> [B*T, D]: the projections then stay 2-D, only q, k, v and the attention
+        output take the [B, T, N, H] shape."""
         d = x.shape[-1]
         if d % self.num_heads:
             raise ValueError(f"width {d} is not divisible by num_heads {self.num_heads}")
@@ -241,7 +245,8 @@ class Attention(nn.Module):
             bias = self.param(f"{name}_bias", nn.with_logical_partitioning(zeros, ("heads", "kv")),
                               (self.num_heads, h))
             y = dense(inp, kernel.astype(self.dtype).reshape(d, d))  # "btd,dnh->btnh"
-            return y.reshape(*y.shape[:-1], self.num_heads, h) + bias.astype(self.dtype)
+            lead = y.shape[:-1] if tokens is None else tokens
+            return y.reshape(*lead, self.num_heads, h) + bias.astype(self.dtype)
 
         kv = x if kv is None else kv.astype(self.dtype)
         q = proj("query", x, self.init["qkv"])
@@ -262,7 +267,8 @@ class Attention(nn.Module):
             lambda k_, s, t=jnp.float32: self.init["out"](k_, (d, d), t).reshape(s), ("heads", "kv", "embed")),
             (self.num_heads, h, d))
         out_bias = self.param("out_bias", nn.with_logical_partitioning(zeros, ("embed",)), (d,))
-        o = dense(o.reshape(*o.shape[:-2], d), out_kernel.astype(self.dtype).reshape(d, d))  # "btnh,nhd->btd"
+        o = o.reshape(*o.shape[:-2], d) if tokens is None else o.reshape(-1, d)
+        o = dense(o, out_kernel.astype(self.dtype).reshape(d, d))  # "btnh,nhd->btd"
         return o + out_bias.astype(self.dtype)
 
 
@@ -277,6 +283,7 @@ class ResidualBlock(nn.Module):
     dtype: jnp.dtype = jnp.float32
     attention_impl: str = "auto"
     causal: bool = False
+    flat_tokens: bool = False  # see residual_block
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -284,12 +291,22 @@ class ResidualBlock(nn.Module):
 
 
 def residual_block(block: ResidualBlock, x: jax.Array) -> jax.Array:
-    """The block's computation, its submodules created inside `block` (a compact parent)."""
+    """The block's computation, its submodules created inside `block` (a compact parent).
+
+    `flat_tokens`: the block works on the tokens as one [B*T, D] matrix (attention alone sees
+    [B, T, N, H]), the same arithmetic. A speed lever for GPUs: with [B, T, D] the weight
+    gradients contract over two leading axes and XLA picked batch-minor layouts (bf16[198, 768,
+    256]) with transposes around LayerNorm, ~10 ms of the B/16 step on an H100
+    (docs/gpu_results/2026-11-24-h100/breakdown.txt); flat, every projection is a plain 2-D GEMM."""
+    shape = x.shape
+    tokens = None
+    if block.flat_tokens:
+        tokens, x = shape[:-1], x.reshape(-1, shape[-1])
     y = LayerNorm(block.ln_eps, block.dtype, name="ln_1")(x)
     x = x + Attention(block.num_heads, block.init, block.dtype, block.attention_impl, block.causal,
-                      name="attn")(y)
+                      name="attn")(y, tokens=tokens)
     y = LayerNorm(block.ln_eps, block.dtype, name="ln_2")(x)
-    x = x + mlp(block, y, block.mlp_dim, block.act, block.init)
+    x = (x + mlp(block, y, block.mlp_dim, block.act, block.init)).reshape(shape)
     # Name the residual stream so a remat policy or sharding constraint can refer to it.
     return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
@@ -360,6 +377,7 @@ class Encoder(nn.Module):
     remat: str = "none"
     causal: bool = False
     scan: bool = False
+    flat_tokens: bool = False  # residual_block's speed lever
 
     @nn.compact
     def __call__(self, x: jax.Array, fork_after: int | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -371,7 +389,7 @@ class Encoder(nn.Module):
         if fork_after is not None and not 0 <= fork_after <= self.layers:
             raise ValueError(f"fork_after={fork_after} must be in [0, layers={self.layers}]")
         args = (self.num_heads, self.mlp_dim, self.ln_eps, self.act, self.init, self.dtype, self.attention_impl,
-                self.causal)
+                self.causal, self.flat_tokens)
         policy = REMAT_POLICIES[self.remat]
         if self.scan:
             # prevent_cse=False: inside a scan the loop already keeps XLA from merging the
