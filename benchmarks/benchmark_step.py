@@ -34,6 +34,7 @@ _START = time.perf_counter()  # before jax's import: the process's own start-up 
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
 
@@ -46,11 +47,22 @@ def load_config(spec: str):
 
 
 def set_field(config, assignment: str) -> None:
+    """`a.b=value` on the config; a field the config lacks (e.g. a section such as `step` that
+    keeps its defaults) is created, its value read as JSON where it parses (true, 3, [1, 2])."""
     key, _, value = assignment.partition("=")
     *parents, leaf = key.split(".")
     target = config
-    for p in parents:
-        target = target[p]
+    with config.unlocked():
+        for p in parents:
+            if p not in target:
+                target[p] = ml_collections.ConfigDict()
+            target = target[p]
+        if leaf not in target:
+            try:
+                target[leaf] = json.loads(value)
+            except json.JSONDecodeError:
+                target[leaf] = value
+            return
     old = target[leaf]
     if isinstance(old, (tuple, list)):  # e.g. mesh.shape=[1,-1,1]
         target[leaf] = tuple(json.loads(value))
@@ -256,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-batch-step", type=int, default=32, help="resolution, per device")
     p.add_argument("--max-batch-cap", type=int, default=16384, help="largest batch tried, per device")
     p.add_argument("--memory-limit-bytes", type=int, default=None)
+    p.add_argument("--compile-only", action="store_true",
+                   help="stop after the train state and the compile (fills a compile cache for a later timed run)")
     args = p.parse_args(argv)
 
     from prolip_jax import flops as flops_lib
@@ -300,6 +314,12 @@ def main(argv: list[str] | None = None) -> None:
     init_s = time.perf_counter() - t_init
     batch = bench.batch(b)
     compiled, lower_s, compile_s = bench.compile(b, batch)
+    if args.compile_only:
+        result.update(global_batch=b, init_s=init_s, lower_s=lower_s, compile_s=compile_s,
+                      startup_s=t_init - _START)
+        print(f"train state {init_s:.1f} s, compile {compile_s:.1f} s (+ {lower_s:.1f} s tracing)")
+        _write(args.json, result)
+        return
     t_warm = time.perf_counter()
     bench.run(compiled, batch, 1)  # warm-up
     warmup_s = time.perf_counter() - t_warm
