@@ -49,7 +49,9 @@ def load_config(spec: str):
 def set_field(config, assignment: str) -> None:
     """`a.b=value` on the config; a field the config lacks (e.g. a section such as `step` that
     keeps its defaults) is created, its value read as JSON where it parses (true, 3, [1, 2])."""
-    key, _, value = assignment.partition("=")
+    key, eq, value = assignment.partition("=")
+    if not eq or not key:
+        raise ValueError(f"--set {assignment!r}: expected field=value, e.g. model.remat=full")
     *parents, leaf = key.split(".")
     target = config
     with config.unlocked():
@@ -277,7 +279,10 @@ def main(argv: list[str] | None = None) -> None:
 
     config = load_config(args.config)
     for assignment in args.set:
-        set_field(config, assignment)
+        try:
+            set_field(config, assignment)
+        except (ValueError, TypeError) as e:
+            p.error(str(e))
     n = jax.device_count()
     if args.per_device_batch:
         config.batch_size = args.per_device_batch * n

@@ -1,35 +1,31 @@
 """The speed levers beside PyTorch on one GPU, in one command that fits a lent machine's call.
 
-    python benchmarks/gpu_speed.py --out OUT [--deadline 520] [--tiny]
+    python benchmarks/gpu_speed.py --out OUT [--deadline 520] [--only NAME ...] [--tiny]
 
-Every JAX variant is `benchmarks/benchmark_step.py` in a process of its own: the baseline (the
-config as shipped), each lever of LEVERS alone, and all of them together, at 256 samples per
-device; the baseline and all levers at 512 as well; the PyTorch step of the same model and loss
-(`benchmarks/torch_step.py`, torch.compile) at both sizes. A B/16 compile takes about a minute on
-the GPU, too long to run a dozen one after another in ten minutes, so the command works in two
-phases sharing one persistent compile cache (and XLA's per-fusion GEMM autotuning cache in it):
+Every row is a process of its own, run one after another alone on the GPU, most wanted first:
+the baseline (the config as shipped) and all levers of LEVERS together at 256 samples per
+device, the PyTorch step of the same model and loss (`benchmarks/torch_step.py`,
+torch.compile), each lever alone, then the baseline, all levers and PyTorch at 512. Each JAX row
+is `benchmarks/benchmark_step.py` (train state, compile, a warm-up step, `--steps` timed steps);
+a row that would start after `--deadline` is recorded as not run, and `--only` picks rows (by
+name, e.g. `--only flat_tokens cast_once`) for a second call. Then the fastest JAX row at 256 is
+profiled, its compiled step loaded from the run's compile cache (`profile_breakdown.py` ->
+breakdown.txt). On an H100 a JAX row takes ~80 s (a minute of it the compile) and the PyTorch
+step ~150 s (its torch.compile), so one 9-minute call holds about five rows.
 
-1. compile: every variant at once with `--compile-only` (and the PyTorch step warmed for one
-   step, filling torch's own compile cache), each process on its share of the 16 CPU cores;
-2. time: each variant again, one after another alone on the GPU, loading its compiled step from
-   the cache: `--steps` timed steps after a warm-up one. Then a profile of the fastest variant
-   at 256 (`profile_breakdown.py` -> breakdown.txt).
-
-Caveat, recorded in the results: in phase 1 the variants autotune their GEMMs while sharing the
-GPU, so a kernel choice can be a little worse than one tuned alone; every variant, the baseline
-included, is built that way. Writes OUT/speed.json, OUT/speed.md, OUT/log.txt, OUT/breakdown.txt
-and OUT/profile.tar.gz. `--tiny`: the same plan at test size on CPU (tests/test_gpu_speed.py).
+Compiling every row at once first (16 CPU cores) was tried on 2026-11-26: eight B/16 compiles
+together had not finished after 270 s, one alone takes 51 s (docs/performance.md).
+Writes OUT/speed.json, OUT/speed.md, OUT/log.txt, OUT/breakdown.txt and OUT/profile.tar.gz.
+`--tiny`: the same plan at test size on CPU.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
 from gpu_plan import REPO, Runner
@@ -73,37 +69,6 @@ def torch_argv(config: str, batch: int, steps: int, compile_: bool, json_path: P
             "--json", str(json_path)]
 
 
-def run_parallel(jobs: list[tuple[str, list[str], str, Path]], env: dict, out: Path, limit: float) -> list[dict]:
-    """Starts every (name, argv, xla_flags, json) at once; waits at most `limit` seconds in all."""
-    procs, t0 = [], time.monotonic()
-    for name, argv, xla, json_path in jobs:
-        e = dict(env)
-        if xla:
-            e["XLA_FLAGS"] = " ".join(f for f in (e.get("XLA_FLAGS", ""), xla) if f)
-        log = open(out / f"compile_{len(procs)}.log", "w")
-        procs.append((name, subprocess.Popen(argv, cwd=REPO, env=e, stdout=log, stderr=subprocess.STDOUT,
-                                             start_new_session=True), log, json_path))
-    records = []
-    for name, proc, log, json_path in procs:
-        try:
-            rc = proc.wait(timeout=max(1.0, limit - (time.monotonic() - t0)))
-            status = "ok" if rc == 0 else f"failed (exit status {rc})"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            status = "timeout"
-        log.close()
-        result = json.loads(json_path.read_text()) if json_path.exists() else {}
-        records.append({"name": name, "status": status, "seconds": round(time.monotonic() - t0, 1),
-                        "result": result})
-        print(f"[compile] {name}: {status} ({records[-1]['seconds']} s)", flush=True)
-    with open(out / "log.txt", "a") as all_log:  # the phase's logs, one after another
-        for i, (name, *_rest) in enumerate(procs):
-            all_log.write(f"\n===== compile phase: {name}\n{(out / f'compile_{i}.log').read_text(errors='replace')}")
-            (out / f"compile_{i}.log").unlink()
-    return records
-
-
 def label(row: dict) -> str:
     return f"{row['name']} @{row['batch']}"
 
@@ -114,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--deadline", type=float, default=520, help="seconds after which nothing new starts")
     p.add_argument("--tiny", action="store_true", help="the plan at test size on CPU")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                   help="rows to run: baseline, all levers, PyTorch, a lever's name (every size)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -122,30 +89,24 @@ def main(argv: list[str] | None = None) -> None:
     steps = 1 if args.tiny else args.steps
     tmp = Path(tempfile.mkdtemp(prefix="gpu_speed_"))
     r = Runner(out, tmp, timeout=600 if args.tiny else 300, deadline=args.deadline)
-    cache = tmp / "jax_cache"
-    r.env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    # The profile's process loads the fastest row's compiled step instead of compiling it again.
+    r.env.update(JAX_COMPILATION_CACHE_DIR=str(tmp / "jax_cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
                  TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"))
     rows = variants(sizes)
     results: dict = {"config": config, "steps": steps, "levers": {k: {"set": list(v[0]), "xla_flags": v[1]}
-                                                                  for k, v in LEVERS.items()},
-                     "caveat": "phase 1 compiles (and autotunes) every variant at once on the shared GPU"}
+                                                                  for k, v in LEVERS.items()}}
 
-    # ---- phase 1: every compile at once --------------------------------------------------
-    env1 = dict(r.env, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # many processes share the GPU's memory
-    env1.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
-    jobs = [(label(row), step_argv(config, row, 1, tmp / f"c{i}.json", "--compile-only"), row["xla"],
-             tmp / f"c{i}.json") for i, row in enumerate(rows)]
-    jobs += [(f"PyTorch @{b}", torch_argv(config, b, 1, not args.tiny, tmp / f"tc{b}.json"), "",
-              tmp / f"tc{b}.json") for b in sizes]
-    t0 = time.monotonic()
-    results["compile"] = run_parallel(jobs, env1, out, limit=min(r.left() - 60, 600 if args.tiny else 270))
-    results["compile_phase_s"] = round(time.monotonic() - t0, 1)
-
-    # ---- phase 2: timed, one at a time ------------------------------------------------------
+    # ---- every row, one at a time -------------------------------------------------------------
     timed = []
     order = [("jax", row) for row in rows[:2]] + [("torch", sizes[0])] + [("jax", row) for row in rows[2:]]
     order += [("torch", b) for b in sizes[1:]]
+    if args.only:
+        names = {n.lower() for n in args.only}
+        known = {"baseline", "all levers", "pytorch", *LEVERS}
+        if names - known:
+            p.error(f"--only: unknown row(s) {sorted(names - known)}; choose from {sorted(known)}")
+        order = [(k, w) for k, w in order if (w["name"] if k == "jax" else "pytorch") in names]
     for i, (kind, what) in enumerate(order):
         j = tmp / f"t{i}.json"
         if kind == "jax":
@@ -191,9 +152,8 @@ def report(results: dict) -> str:
     for t in timed:
         if t["status"] == "ok" and t["variant"] in ("baseline", "PyTorch (torch.compile)"):
             ref[(t["variant"], t["per_device_batch"])] = t["result"]["samples_per_s_per_device"]
-    compile_s = {c["name"]: c["result"].get("compile_s") for c in results.get("compile", []) if c["result"]}
-    lines = [f"config `{results['config']}`, {results['steps']} timed steps; compile phase "
-             f"{results.get('compile_phase_s')} s ({results['caveat']})", "",
+    lines = [f"config `{results['config']}`, {results['steps']} timed steps, every row a process of its own, "
+             "one after another on the same GPU", "",
              "| step | per-device batch | samples/s per device | MFU | vs baseline | vs PyTorch | step (ms) | "
              "compile (s) | train state (s) | status |", "|---|---|---|---|---|---|---|---|---|---|"]
     for t in timed:
@@ -204,9 +164,9 @@ def report(results: dict) -> str:
         lines.append(" | ".join([
             f"| {t['variant']}", str(b), fmt(sps, "{:.0f}"), fmt(res.get("mfu") and 100 * res["mfu"], "{:.1f}%"),
             fmt(sps and base and sps / base, "{:.3f}x"), fmt(sps and torch_ and sps / torch_, "{:.3f}x"),
-            fmt(res.get("step_s") and 1e3 * res["step_s"], "{:.1f}"), fmt(compile_s.get(t["name"]), "{:.0f}"),
+            fmt(res.get("step_s") and 1e3 * res["step_s"], "{:.1f}"), fmt(res.get("compile_s", res.get("warmup_s")), "{:.0f}"),
             fmt(res.get("init_s"), "{:.1f}"), t["status"] + " |"]))
-    lines += ["", "Commands (phase 2; phase 1 ran each with `--compile-only`, all at once):", ""]
+    lines += ["", "Commands (PyTorch's compile column: its warm-up steps, torch.compile included):", ""]
     lines += [f"- {t['name']}: `{t['command']}`" for t in timed]
     if "profile" in results:
         lines += ["", f"Profile: {results['profile']['variant']} (`profile.tar.gz`, `breakdown.txt`)."]
