@@ -25,7 +25,7 @@ FLAGS: tuple[tuple[str, str, str, str], ...] = (
 )
 # The config's sections (prolip_jax.train.SECTIONS plus loss, data and evals; a test keeps them
 # equal), named here so that help needs no import of the sections' modules.
-SECTIONS = ("model", "loss", "optim", "data", "masking", "targets", "mesh", "init", "keep_best",
+SECTIONS = ("model", "loss", "optim", "data", "masking", "step", "targets", "mesh", "init", "keep_best",
             "profile", "evals")
 HELP_ARGS = ("-h", "--help", "--helpshort", "--helpfull")
 
