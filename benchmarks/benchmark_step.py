@@ -195,7 +195,8 @@ class Bench:
     def compile(self, b: int, batch: dict) -> tuple[Any, float, float]:
         """(compiled step, lower seconds, compile seconds) for global batch b."""
         state = self.fresh_state()
-        fn = jax.jit(self.step_lib.make_train_step(self.model, self.tx, self.schedule, self.scfg, self.mesh, b),
+        fn = jax.jit(self.step_lib.make_train_step(self.model, self.tx, self.schedule, self.scfg, self.mesh, b,
+                                                   rules=self.config.sharding_rules),
                      in_shardings=(self.state_sh, None), out_shardings=(self.state_sh, None), donate_argnums=0)
         t0 = time.perf_counter()
         lowered = fn.lower(state, batch)

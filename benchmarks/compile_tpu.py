@@ -167,9 +167,11 @@ def load_config(spec: str, overrides: list[str]) -> Any:
 
 
 # =============================================================================== compile
-def build_step(config: Any, devices: list[Any], mcfg: Any = None) -> tuple[Any, tuple[Any, Any], dict[str, Any]]:
+def build_step(config: Any, devices: list[Any], mcfg: Any = None, constraints: bool = True
+               ) -> tuple[Any, tuple[Any, Any], dict[str, Any]]:
     """(jitted train step, (abstract state, abstract global batch), facts) on `devices`'s mesh,
-    built as prolip_jax/train.py builds them; `mcfg` replaces the config's model (a shallower one)."""
+    built as prolip_jax/train.py builds them; `mcfg` replaces the config's model (a shallower one);
+    `constraints`: see compile_report."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -177,16 +179,15 @@ def build_step(config: Any, devices: list[Any], mcfg: Any = None) -> tuple[Any, 
     from prolip_jax import flops as flops_lib
     from prolip_jax import optim, sharding
     from prolip_jax import step as step_lib
-    from prolip_jax.models import ProLIP, abstract_params
-    from prolip_jax.train import model_config, step_config, validate, parse_config
+    from prolip_jax.models import abstract_params
+    from prolip_jax.train import build_model, model_config, step_config, validate, parse_config
 
     tc = parse_config(config)
     mcfg = model_config(tc) if mcfg is None else mcfg
     mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes, devices=devices)
     validate(tc, mesh, mcfg)  # the trainer's checks: batch layout over the mesh, sizes, combinations
     scfg = step_config(tc)
-    model = ProLIP(mcfg, dtype=jnp.dtype(config.model.dtype), attention_impl=config.model.attention_impl,
-                   remat=config.model.remat, scan_layers=tc.model.scan_layers)
+    model = build_model(tc, mcfg)
     param_shapes = abstract_params(mcfg, scan_layers=tc.model.scan_layers)
     optim_cfg = tc.optim
     tx, schedule = optim.make_optimizer(optim_cfg, config.total_steps, param_shapes, step=0)
@@ -194,7 +195,9 @@ def build_step(config: Any, devices: list[Any], mcfg: Any = None) -> tuple[Any, 
     state = step_lib.abstract_train_state(model, tx, state_sh)
     trainable = optim.trainable_mask(param_shapes, optim_cfg, 0)
     b = config.batch_size
-    fn = step_lib.make_train_step(model, tx, schedule, scfg, mesh, b, trainable=trainable)
+    # The trainer's step: the activation constraints under config.sharding_rules (step.make_train_step).
+    fn = step_lib.make_train_step(model, tx, schedule, scfg, mesh, b, trainable=trainable,
+                                  rules=config.sharding_rules if constraints else None)
     replicated = NamedSharding(mesh, P())
     jitted = jax.jit(fn, in_shardings=(state_sh, None), out_shardings=(state_sh, replicated), donate_argnums=0)
     s, length = mcfg.vision.image_size, mcfg.text.context_length
@@ -232,20 +235,11 @@ MEMORY_KEYS = ("argument_bytes", "temp_bytes", "output_bytes", "alias_bytes", "c
 
 
 def _compile(config: Any, devices: list[Any], hbm_gib: float, mcfg: Any = None,
-             logical_constraints: bool = False) -> dict[str, Any]:
+             constraints: bool = True) -> dict[str, Any]:
     """Per-chip measurements of one compile: memory, FLOPs and compile time (or the OOM)."""
-    import flax.linen as nn
-    import jax
-
-    from prolip_jax import sharding
-
     t0, c0 = time.perf_counter(), time.process_time()  # wall and CPU (all threads): a shared machine's wall time drifts
-    jitted, args, facts = build_step(config, devices, mcfg)
-    with contextlib.ExitStack() as stack:
-        if logical_constraints:
-            stack.enter_context(jax.set_mesh(args[1]["text"].sharding.mesh))
-            stack.enter_context(nn.logical_axis_rules(sharding.resolve_rules(config.sharding_rules)))
-        lowered = jitted.lower(*args)
+    jitted, args, facts = build_step(config, devices, mcfg, constraints)
+    lowered = jitted.lower(*args)
     out = {"facts": facts}
     try:
         with no_persistent_cache_writes():
@@ -295,16 +289,16 @@ def extrapolate(shallow: list[dict[str, Any]], depths: list[tuple[int, int]], fu
 
 
 def compile_report(config: Any, topology: str | Topology, label: str = "", extrapolate_depth: bool = False,
-                   logical_constraints: bool = False) -> dict[str, Any]:
+                   constraints: bool = True) -> dict[str, Any]:
     """Compiles the train step of `config` for `topology`; a dict of per-chip memory and FLOPs.
 
     extrapolate_depth: compile the model at two shallower depths (`shallow_depths`) and extrapolate
     linearly to its depth (`extrapolate`), for machines without the memory the full compile needs
     (libtpu takes ~18 GB of host memory for B/16 whatever the batch; the towers are unrolled).
-    logical_constraints: lower under the config's mesh and logical axis rules (`jax.set_mesh`,
-    `nn.logical_axis_rules`), so the models' `nn.with_logical_constraint(x, ("batch", "length",
-    "embed"))` on activations take effect. prolip_jax/train.py lowers its step without them, where
-    they are no-ops and sharding propagation alone decides the activations' layout."""
+    constraints: the step as the trainer builds it, whose towers' activation constraints
+    (`nn.with_logical_constraint(x, ("batch", "length", "embed"))`) apply under the config's
+    sharding rules (step.make_train_step `rules`); False: the step before 2026-11-26, where they
+    were no-ops and sharding propagation alone decided the activations' layout."""
     from prolip_jax.train import model_config, parse_config
 
     topo = parse_topology(topology) if isinstance(topology, str) else topology
@@ -313,20 +307,20 @@ def compile_report(config: Any, topology: str | Topology, label: str = "", extra
     full = (mcfg.vision.layers, mcfg.text.layers)
     depths = shallow_depths(*full) if extrapolate_depth else None
     if depths is None:
-        measured = _compile(config, devices, topo.hbm_gib, logical_constraints=logical_constraints)
+        measured = _compile(config, devices, topo.hbm_gib, constraints=constraints)
         how = "compiled"
     else:
         shallow = [_compile(config, devices, topo.hbm_gib, mcfg.replace(
             vision=dataclasses.replace(mcfg.vision, layers=v), text=dataclasses.replace(mcfg.text, layers=t)),
-            logical_constraints) for v, t in depths]
+            constraints) for v, t in depths]
         oom = [r for r in shallow if "total_bytes" not in r]  # the full depth needs more than these
         measured = dict(oom[0]) if oom else extrapolate(shallow, depths, full, topo.hbm_gib)
         for key in ("compile_s", "compile_cpu_s"):
             measured[key] = sum(r[key] for r in shallow)
         measured["facts"] = build_step(config, devices, mcfg)[2]  # the full model's (traced, not compiled)
         how = "extrapolated from " + " and ".join(f"{v}+{t}" for v, t in depths) + " blocks"
-    if logical_constraints:
-        how += ", activation constraints on"
+    if not constraints:
+        how += ", activation constraints off"
     facts = measured.pop("facts")
     report = {"label": label or config.model.variant, "topology": topo.name, "chips": topo.chips,
               "device_kind": devices[0].device_kind, "hbm_gib": topo.hbm_gib, "batch": config.batch_size,
@@ -402,9 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--all", action="store_true",
                    help=f"the paper's configurations: {PAPER_CONFIG} with variant={', '.join(PAPER_VARIANTS)}")
     p.add_argument("--out", default=None, help="also write the markdown table here")
-    p.add_argument("--logical_constraints", action="store_true",
-                   help="lower under the config's mesh and logical axis rules so the models' activation "
-                        "sharding constraints apply (the trainer does not, today: see compile_report)")
+    p.add_argument("--no_constraints", action="store_true",
+                   help="without the towers' activation sharding constraints, as the trainer lowered its "
+                        "step before 2026-11-26 (see compile_report)")
     p.add_argument("--extrapolate_depth", action="store_true",
                    help="compile two shallower copies of the model and extrapolate to its depth (for "
                         "machines without the ~18 GB (B/16) to ~40 GB of host memory a full compile takes)")
@@ -434,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     for topo in topologies:
         for config, label in configs:
             r = compile_report(config, topo, label, extrapolate_depth=args.extrapolate_depth,
-                               logical_constraints=args.logical_constraints)
+                               constraints=not args.no_constraints)
             print(describe(r), flush=True)
             reports.append(r)
     md = table(reports)

@@ -31,12 +31,18 @@ import ml_collections as mlc
 from prolip_jax import config_args
 
 _SAMPLES = {"1.28B": 1_280_000_000, "12.8B": 12_800_000_000}
-# Image size and sharding per variant: ViTs from L/16 up shard parameters (FSDP).
+# Image size, sharding and memory layout per variant. ViTs from L/16 up shard parameters (FSDP),
+# scan their blocks and rematerialise them in full: at batch 16,384 on a v5p-128 (64 chips) L/16,
+# So400m/14 and H/14 then need 12 / 14 / 20 GiB of HBM per chip, compiled at full depth
+# (benchmarks/compile_tpu.py; docs/performance.md "TPU pods: full-depth compiles with scanned
+# layers"). B/16 stays unrolled without remat: scanned it needed 33.4 GiB on a v4 chip (30.75).
+_LARGE = dict(mesh=(1, -1, 1), rules="fsdp", scan_layers=True, remat="full")
 _VARIANTS = {
-    "B/16": dict(image_size=224, context_length=64, mesh=(-1, 1, 1), rules="replicated"),
-    "L/16": dict(image_size=256, context_length=64, mesh=(1, -1, 1), rules="fsdp"),
-    "So400m/14": dict(image_size=224, context_length=64, mesh=(1, -1, 1), rules="fsdp"),
-    "H/14": dict(image_size=224, context_length=77, mesh=(1, -1, 1), rules="fsdp"),
+    "B/16": dict(image_size=224, context_length=64, mesh=(-1, 1, 1), rules="replicated", scan_layers=False,
+                 remat="none"),
+    "L/16": dict(image_size=256, context_length=64, **_LARGE),
+    "So400m/14": dict(image_size=224, context_length=64, **_LARGE),
+    "H/14": dict(image_size=224, context_length=77, **_LARGE),
 }
 
 
@@ -60,7 +66,8 @@ def get_config(arg=None):
     c.model = mlc.ConfigDict(dict(
         variant=args["variant"], config_json="",
         dtype="bfloat16",  # float32 parameters, bfloat16 compute (the reference's amp_bf16)
-        remat="none",  # "dots" or "full" trade compute for activation memory
+        remat=v["remat"],  # "dots" or "full" trade compute for activation memory
+        scan_layers=v["scan_layers"],  # one nn.scan per tower: compile time and memory of one block
         attention_impl="auto",  # cuDNN flash attention on GPU, XLA elsewhere
         init_logit_scale=2.302585092994046,  # the paper's a = 10 (the reference code: 1/0.07)
     ))

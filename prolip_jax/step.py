@@ -20,6 +20,7 @@ gradient exactly (no dropout, no batch statistics) for one microbatch's activati
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Literal
 
 import flax.linen as nn
@@ -236,7 +237,7 @@ def check_batch_layout(global_batch: int, n_shards: int, cfg: StepConfig) -> Non
 
 # ---------------------------------------------------------------------------- the step
 def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: Callable, cfg: StepConfig,
-                    mesh: Mesh, global_batch: int, trainable: Any = None
+                    mesh: Mesh, global_batch: int, trainable: Any = None, rules: Any = None
                     ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     """Returns `train_step(state, batch) -> (state, metrics)` (not yet jitted).
 
@@ -244,6 +245,11 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
     B = global_batch sharded over the mesh's batch axes.
     trainable: a tree of bools like the params (`optim.trainable_mask`); gradients are computed
     only for the True leaves (locked ones get zeros, which `tx` must ignore), None = all.
+    rules: the logical-axis rules of the parameters (`config.sharding_rules`), under which the
+    towers' activation constraints (`nn.with_logical_constraint` on the residual stream) lay the
+    activations out on `mesh` too; None leaves them no-ops and XLA to choose. With FSDP, the
+    scanned large towers fit only with them: H/14 at batch 16,384 on a v5p-128 needs 20 GiB per
+    chip with them and ~330 GiB without (docs/performance.md).
     """
     n_shards = sharding.num_batch_shards(mesh)
     check_batch_layout(global_batch, n_shards, cfg)
@@ -365,7 +371,18 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
         }
         return new_state, metrics
 
-    return train_step
+    if rules is None:
+        return train_step
+    axis_rules = sharding.resolve_rules(rules)
+
+    @functools.wraps(train_step)  # the compiled program keeps the name jit_train_step (profiles)
+    def constrained_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        # Traced under the mesh (abstract: this runs inside jit) and the rules, so flax's
+        # logical constraints resolve to sharding constraints.
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(axis_rules):
+            return train_step(state, batch)
+
+    return constrained_step
 
 
 def _opt_count(opt_state: Any) -> jax.Array:

@@ -493,7 +493,8 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
     def compile_step(step: int):
         """The jitted step of the optimiser phase at `step`: only trainable leaves are differentiated."""
         trainable = optim.trainable_mask(param_shapes, tc.optim, step)
-        fn = step_lib.make_train_step(model, tx, schedule, scfg, mesh, run.batch_size, trainable=trainable)
+        fn = step_lib.make_train_step(model, tx, schedule, scfg, mesh, run.batch_size, trainable=trainable,
+                                      rules=run.sharding_rules)
         return jax.jit(fn, in_shardings=(state_sh, None), out_shardings=(state_sh, replicated), donate_argnums=0)
 
     train_step = compile_step(start)

@@ -50,7 +50,8 @@ def run(setup, shape, rules, microbatches=1, batch=None, steps=1, ppcl_impl="den
     if key not in _COMPILED:
         cfg = dataclasses.replace(CFG, microbatches=microbatches,
                                   loss=dataclasses.replace(CFG.loss, ppcl_impl=ppcl_impl))
-        _COMPILED[key] = jax.jit(S.make_train_step(model, tx, schedule, cfg, mesh, B))
+        # Under the rules, as the trainer runs it: the towers' activation constraints apply.
+        _COMPILED[key] = jax.jit(S.make_train_step(model, tx, schedule, cfg, mesh, B, rules=rules))
     step = _COMPILED[key]
     gb = sharding.global_batch(default_batch if batch is None else batch, mesh)
     for _ in range(steps):
@@ -83,6 +84,22 @@ def _compare(state, ref_state, metrics, ref_metrics):
 def test_mesh_matches_single_device(setup, single, name, shape, rules, ppcl_impl):
     state, metrics = run(setup, shape, rules, ppcl_impl=ppcl_impl)
     _compare(state, single[0], metrics, single[1])
+
+
+def test_rules_constrain_the_activations(setup):
+    """With rules the lowered step carries the residual stream's sharding constraints
+    (batch over data x fsdp); without, none from the towers."""
+    model, tx, schedule, batch = setup
+    mesh = sharding.make_mesh((2, 4, 1), ("data", "fsdp", "tensor"), jax.devices()[:8])
+    state, _ = S.create_train_state(model, tx, mesh, "fsdp", seed=0)
+    gb = sharding.global_batch(batch, mesh)
+    texts = {}
+    for rules in (None, "fsdp"):
+        fn = S.make_train_step(model, tx, schedule, CFG, mesh, B, rules=rules)
+        texts[rules] = jax.jit(fn).trace(state, gb).lower().as_text()
+    constraint = '[{"data", "fsdp"}, {}, {}]> : tensor<32x'
+    assert texts["fsdp"].count(constraint) >= 2 * 2  # a block of each tower, full and masked forward
+    assert constraint not in texts[None]
 
 
 def test_microbatches_match_one_batch(setup, single):
