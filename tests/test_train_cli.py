@@ -84,3 +84,29 @@ def test_entry_point_bad_config_path(tmp_path):
                          text=True, timeout=300)
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert "configs/tinyy.py does not exist" in out.stderr and not (tmp_path / "w").exists()
+
+
+_CACHE_PROBE = """
+import sys, jax, jax.numpy as jnp
+from prolip_jax import train
+print(train.use_compile_cache(sys.argv[1]))
+jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(3)).block_until_ready()
+"""
+
+
+@pytest.mark.parametrize("env_dir", [False, True])
+def test_compile_cache_dir(tmp_path, env_dir):
+    """config.compile_cache_dir turns JAX's persistent cache on (programs land there); "" turns
+    it off; JAX_COMPILATION_CACHE_DIR, when set, wins."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(JAX_PLATFORMS="cpu", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    if env_dir:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "from_env")
+    for arg, expected in ((str(tmp_path / "cache"), tmp_path / ("from_env" if env_dir else "cache")),
+                          ("", tmp_path / "from_env" if env_dir else None)):
+        p = subprocess.run([sys.executable, "-c", _CACHE_PROBE, arg], env=env, cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.strip() == str(expected)
+    assert any((tmp_path / ("from_env" if env_dir else "cache")).iterdir())
+    assert not (tmp_path / "cache").exists() if env_dir else True
