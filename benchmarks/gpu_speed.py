@@ -155,7 +155,8 @@ def report(results: dict) -> str:
     lines = [f"config `{results['config']}`, {results['steps']} timed steps, every row a process of its own, "
              "one after another on the same GPU", "",
              "| step | per-device batch | samples/s per device | MFU | vs baseline | vs PyTorch | step (ms) | "
-             "compile (s) | train state (s) | status |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "compile (s) | train state (s) | first step after launch (s) | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in timed:
         res, b = t.get("result") or {}, t["per_device_batch"]
         sps = res.get("samples_per_s_per_device")
@@ -165,7 +166,7 @@ def report(results: dict) -> str:
             f"| {t['variant']}", str(b), fmt(sps, "{:.0f}"), fmt(res.get("mfu") and 100 * res["mfu"], "{:.1f}%"),
             fmt(sps and base and sps / base, "{:.3f}x"), fmt(sps and torch_ and sps / torch_, "{:.3f}x"),
             fmt(res.get("step_s") and 1e3 * res["step_s"], "{:.1f}"), fmt(res.get("compile_s", res.get("warmup_s")), "{:.0f}"),
-            fmt(res.get("init_s"), "{:.1f}"), t["status"] + " |"]))
+            fmt(res.get("init_s"), "{:.1f}"), fmt(res.get("first_step_s"), "{:.0f}"), t["status"] + " |"]))
     lines += ["", "Commands (PyTorch's compile column: its warm-up steps, torch.compile included):", ""]
     lines += [f"- {t['name']}: `{t['command']}`" for t in timed]
     if "profile" in results:
