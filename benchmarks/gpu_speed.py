@@ -5,7 +5,8 @@
 Every row is a process of its own, run one after another alone on the GPU, most wanted first:
 the baseline (the config as shipped) and all levers of LEVERS together at 256 samples per
 device, the PyTorch step of the same model and loss (`benchmarks/torch_step.py`,
-torch.compile), each lever alone, then the baseline, all levers and PyTorch at 512. Each JAX row
+torch.compile), each lever alone, the levers that helped alone together (when that is not all of
+them), then the baseline, all levers and PyTorch at 512. Each JAX row
 is `benchmarks/benchmark_step.py` (train state, compile, a warm-up step, `--steps` timed steps);
 a row that would start after `--deadline` is recorded as not run, and `--only` picks rows (by
 name, e.g. `--only flat_tokens cast_once`) for a second call. Then the fastest JAX row at 256 is
@@ -69,6 +70,20 @@ def torch_argv(config: str, batch: int, steps: int, compile_: bool, json_path: P
             "--json", str(json_path)]
 
 
+def best_row(timed: list[dict], batch: int, margin: float = 0.01) -> dict | None:
+    """The levers that were more than `margin` faster alone than the baseline at `batch`, as one
+    row ("best levers"), or None when none was (or the baseline did not run)."""
+    sps = {t["variant"]: t["result"]["samples_per_s_per_device"] for t in timed
+           if t["status"] == "ok" and t["per_device_batch"] == batch and t.get("result")}
+    if "baseline" not in sps:
+        return None
+    helped = [name for name in LEVERS if sps.get(name, 0) > (1 + margin) * sps["baseline"]]
+    if not helped:
+        return None
+    return dict(name="best levers", batch=batch, sets=tuple(s for n in helped for s in LEVERS[n][0]),
+                xla=" ".join(LEVERS[n][1] for n in helped if LEVERS[n][1]), levers=helped)
+
+
 def label(row: dict) -> str:
     return f"{row['name']} @{row['batch']}"
 
@@ -107,7 +122,10 @@ def main(argv: list[str] | None = None) -> None:
         if names - known:
             p.error(f"--only: unknown row(s) {sorted(names - known)}; choose from {sorted(known)}")
         order = [(k, w) for k, w in order if (w["name"] if k == "jax" else "pytorch") in names]
-    for i, (kind, what) in enumerate(order):
+    last_lever = max((k for k, (kind, w) in enumerate(order) if kind == "jax" and w["name"] in LEVERS), default=None)
+    i = 0
+    while i < len(order):
+        kind, what = order[i]
         j = tmp / f"t{i}.json"
         if kind == "jax":
             rec = r.run(label(what), step_argv(config, what, steps, j), j, xla_flags=what["xla"])
@@ -118,6 +136,12 @@ def main(argv: list[str] | None = None) -> None:
         timed.append(rec)
         results["timed"] = timed
         write(out, results)
+        if i == last_lever:  # every lever measured alone: the ones that helped, together
+            best = best_row(timed, sizes[0])
+            if best is not None and (set(best["sets"]), best["xla"]) != (set(rows[1]["sets"]), rows[1]["xla"]):
+                order.insert(i + 1, ("jax", best))
+                rows.append(best)
+        i += 1
 
     # ---- the fastest JAX variant at the first size, profiled -----------------------------------
     ok = [t for t in timed if t["status"] == "ok" and t["variant"] != "PyTorch (torch.compile)"

@@ -54,3 +54,16 @@ def test_set_field_creates_a_missing_section():
     assert config.step.finite_guard == "fused" and config.model.flat_tokens is True and config.model.scan_layers
     with pytest.raises(ValueError):
         set_field(config, "model.remat")  # no '=': nothing to set
+
+
+def test_best_row_takes_the_levers_that_helped():
+    def row(variant, sps, status="ok"):
+        return {"variant": variant, "per_device_batch": 256, "status": status,
+                "result": {"samples_per_s_per_device": sps}}
+    timed = [row("baseline", 1000.0), row("no_dot_merger", 1100.0), row("flat_tokens", 1005.0),
+             row("fused_guard", 1050.0), row("cast_once", 0.0, status="failed")]
+    best = gpu_speed.best_row(timed, 256)
+    assert best["levers"] == ["no_dot_merger", "fused_guard"]
+    assert best["xla"] == "--xla_gpu_dot_merger_threshold_mb=0" and best["sets"] == ("step.finite_guard=fused",)
+    assert gpu_speed.best_row(timed[:1] + [row("flat_tokens", 1005.0)], 256) is None  # within the 1% margin
+    assert gpu_speed.best_row(timed[1:], 256) is None  # no baseline to compare with
