@@ -61,22 +61,19 @@ def thunk_times(trace_dir: str, steps: int) -> list[tuple[str, float, int]]:
 def build_ours(config, batch: int, images, tokens):
     """(compiled step, state, device batch): as benchmarks/benchmark_step.py builds it."""
     import jax
-    import jax.numpy as jnp
 
     from prolip_jax import optim, sharding
     from prolip_jax import step as step_lib
-    from prolip_jax.models import ProLIP
-    from prolip_jax.train import model_config, step_config, parse_config
+    from prolip_jax.train import build_model, model_config, step_config, parse_config
 
     tc = parse_config(config)
     mcfg, scfg = model_config(tc), step_config(tc)
     mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
-    model = ProLIP(mcfg, dtype=jnp.dtype(config.model.dtype), attention_impl=config.model.attention_impl,
-                   remat=config.model.remat)
+    model = build_model(tc, mcfg)
     tx, schedule = optim.make_optimizer(tc.optim, config.total_steps)
     state, state_sh = step_lib.create_train_state(model, tx, mesh, config.sharding_rules, config.seed)
     dev_batch = sharding.global_batch({"image": images, "text": tokens}, mesh)
-    step_fn = jax.jit(step_lib.make_train_step(model, tx, schedule, scfg, mesh, batch),
+    step_fn = jax.jit(step_lib.make_train_step(model, tx, schedule, scfg, mesh, batch, rules=config.sharding_rules),
                       in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0)
     return step_fn.lower(state, dev_batch).compile(), state, dev_batch, mcfg, scfg
 

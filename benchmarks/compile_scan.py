@@ -28,14 +28,12 @@ import time  # noqa: E402
 def build(config_arg: str, batch: int, scan: bool, overrides: list[str]):
     """(jitted step, model, tx, mesh, state shardings, batch shapes) of a config with scan_layers."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from benchmark_step import load_config, set_field  # benchmarks/benchmark_step.py
     from prolip_jax import optim, sharding
     from prolip_jax import step as step_lib
-    from prolip_jax.models import ProLIP
-    from prolip_jax.train import model_config, parse_config, step_config
+    from prolip_jax.train import build_model, model_config, parse_config, step_config
 
     config = load_config(config_arg)
     for assignment in overrides:
@@ -45,14 +43,13 @@ def build(config_arg: str, batch: int, scan: bool, overrides: list[str]):
     tc = parse_config(config)
     mcfg, scfg = model_config(tc), step_config(tc)
     mesh = sharding.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), jax.devices()[:1])
-    model = ProLIP(mcfg, dtype=jnp.dtype(tc.model.dtype), attention_impl=tc.model.attention_impl,
-                   remat=tc.model.remat, scan_layers=scan)
+    model = build_model(tc, mcfg).clone(scan_layers=scan)
     tx, schedule = optim.make_optimizer(tc.optim, tc.run.total_steps)
     state_sh = step_lib.state_shardings(model, tx, mesh, tc.run.sharding_rules)
     s, length = mcfg.vision.image_size, mcfg.text.context_length
     batch_sh = {"image": jax.ShapeDtypeStruct((batch, s, s, 3), np.uint8, sharding=sharding.batch_sharding(mesh, 4)),
                 "text": jax.ShapeDtypeStruct((batch, length), np.int32, sharding=sharding.batch_sharding(mesh, 2))}
-    step = jax.jit(step_lib.make_train_step(model, tx, schedule, scfg, mesh, batch),
+    step = jax.jit(step_lib.make_train_step(model, tx, schedule, scfg, mesh, batch, rules=tc.run.sharding_rules),
                    in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0)
     return step, model, tx, mesh, state_sh, batch_sh, tc
 

@@ -29,13 +29,13 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from gpu_plan import REPO, Runner
+from gpu_plan import REPO, XLA_LEVERS, Runner
 
 # name -> (benchmark_step --set overrides, extra XLA_FLAGS). Each lever computes the same step
 # (tests/test_speed_levers.py); the XLA flag stops XLA merging the full and the masked forward's
 # dots that share a weight by concatenating their activations (docs/gpu_results/2026-11-24-h100).
 LEVERS = {
-    "no_dot_merger": ((), "--xla_gpu_dot_merger_threshold_mb=0"),
+    "no_dot_merger": ((), XLA_LEVERS["xla:no_dot_merger"]),
     "flat_tokens": (("model.flat_tokens=true",), ""),
     "fused_guard": (("step.finite_guard=fused",), ""),
     "cast_once": (("step.cast_params_once=true",), ""),
