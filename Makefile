@@ -2,8 +2,11 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
-# Eight fake CPU devices so sharding tests run anywhere (no effect on a GPU/TPU host).
-TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
+# tests/conftest.py sets XLA_FLAGS (eight fake CPU devices, so sharding tests run anywhere;
+# LLVM -O0) when unset: a caller's own XLA_FLAGS are dropped here.
+TEST_ENV := env -u XLA_FLAGS JAX_PLATFORMS=cpu
+# pytest-xdist processes, a test file each at a time: CI's machine has 2 cores.
+TEST_WORKERS ?= 2
 
 .PHONY: install test test-torch demo clean
 
@@ -16,7 +19,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml requirements/constraints.txt
 install: $(VENV)/.installed
 
 test: $(VENV)/.installed
-	$(TEST_ENV) $(PY) -m pytest -q --durations=25 tests
+	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 # Optional: PyTorch round-trip tests (CPU wheel), skipped by `make test` when torch is absent.
 test-torch: $(VENV)/.installed

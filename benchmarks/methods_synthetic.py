@@ -98,8 +98,10 @@ def method_settings(objective: str, steps: int) -> tuple[dict, dict]:
     return dict(knobs), {}
 
 
-def train_and_evaluate(objective: str, steps: int = 300, seed: int = 0, batch: int = BATCH) -> dict:
-    """Trains `objective` on the synthetic set; returns its held-out numbers (module docstring)."""
+def train_and_evaluate(objective: str, steps: int = 300, seed: int = 0, batch: int = BATCH,
+                       compiler_options: dict | None = None) -> dict:
+    """Trains `objective` on the synthetic set; returns its held-out numbers (module docstring).
+    compiler_options: XLA options for the train step's compile (`jax.jit`'s)."""
     knobs, inits = method_settings(objective, steps)
     cfg = dataclasses.replace(get_config("micro"), **inits)
     model = ProLIP(cfg, attention_impl="xla")
@@ -109,7 +111,8 @@ def train_and_evaluate(objective: str, steps: int = 300, seed: int = 0, batch: i
     tx, schedule = optim.make_optimizer(optim.OptimConfig.of(OPTIM), steps)
     mesh = sharding.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), jax.devices()[:1])
     t0 = time.time()
-    train_step = jax.jit(step_lib.make_train_step(model, tx, schedule, step_cfg, mesh, batch), donate_argnums=0)
+    train_step = jax.jit(step_lib.make_train_step(model, tx, schedule, step_cfg, mesh, batch), donate_argnums=0,
+                         compiler_options=compiler_options)
     state, _ = step_lib.create_train_state(model, tx, mesh, "replicated", seed=seed)
     evaluate = _evaluator(model, seed)
     at_init = evaluate(state.params)

@@ -8,14 +8,41 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# XLA:CPU compiles the suite's programs at LLVM -O0: most tests run a program a few times, so
+# its compile is their cost, and -O0 compiles ~2x faster (docs/performance.md, "Test suite
+# time"). A test that runs a program for hundreds of steps asks for the default back with
+# `jax.jit(..., compiler_options=OPTIMIZED)`; a subprocess gets `xla_flags(devices)`.
+OPT_LEVEL_FLAG = "--xla_backend_optimization_level=0"
+OPTIMIZED = {"xla_backend_optimization_level": 3}  # XLA's default
+
+
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a test's subprocess: `devices` fake CPU devices, compiled as the suite is."""
+    return f"--xla_force_host_platform_device_count={devices} {OPT_LEVEL_FLAG}"
+
+
 # Eight fake CPU devices for sharding tests, whoever runs pytest (make sets it too).
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Identical programs (a resumed run, a re-created train step) are compiled once per session:
 # compilation dominates the run time of these tiny models on CPU.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
     os.environ.get("TMPDIR", "/tmp"), f"prolip_jax_test_cache_{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+# `make test` runs two pytest-xdist workers, one test file each at a time (--dist loadfile), in
+# collection order: the longest files go first (their order below), so that none of them starts
+# last while the other worker has nothing left. A file not named keeps its place after them.
+LONGEST_FIRST = ("test_caption_recipes.py", "test_objectives_learn.py", "test_demo.py", "test_faults.py",
+                 "test_train_processes.py", "test_step.py", "test_benchmark_gpu.py", "test_train.py",
+                 "test_resume_elastic.py", "test_train_finetune.py", "test_scan_layers.py",
+                 "test_speed_levers.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
 
 DATA = Path(__file__).parent / "data"
 FIXTURE = DATA / "prolip_reference_tiny.npz"

@@ -345,9 +345,10 @@ def test_a_lost_process_ends_the_other_in_one_line(tmp_path):
     import subprocess
     import time
 
+    from conftest import xla_flags
     from test_train_processes import ARGS, _free_port
 
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu",
                PYTHONUNBUFFERED="1", PROLIP_PEER_TIMEOUT_S="10", PYTHONPATH=str(ROOT),
                # A fresh cache: both processes compile on the first start, both read it on the restart.
                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))

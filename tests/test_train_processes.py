@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import xla_flags
 from prolip_jax import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +29,7 @@ ARGS = ["--config.model.variant=micro",
 def _env(devices: int) -> dict:
     # No persistent compilation cache: a hit in one process and not the other would leave them
     # far apart at the first collective (gloo gives up after 30 s).
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu",
                JAX_ENABLE_COMPILATION_CACHE="false", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
