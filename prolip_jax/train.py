@@ -437,7 +437,8 @@ def use_compile_cache(path: str) -> str | None:
 def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str, Any]:
     """Trains (or resumes) in `workdir`. Returns the last logged metrics.
 
-    stop_at_step: behave as if preempted (SIGTERM) when that step is reached; for tests.
+    stop_at_step (`--stop_at_step`): save and stop when that step is reached, as a preempted
+    run does; the same command without it continues to config.total_steps.
     Library logging (orbax, grain, absl) goes to WORKDIR/train.log, not the console
     (prolip_jax/library_logs.py; process i > 0: train.process_<i>.log).
     """
@@ -452,6 +453,8 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
     config = with_defaults(config.copy_and_resolve_references())
     tc = parse_config(config)  # the only parse: every part below gets its typed section
     run = tc.run
+    if stop_at_step is not None and not 0 < stop_at_step <= run.total_steps:
+        raise ValueError(f"--stop_at_step={stop_at_step} must be in [1, config.total_steps={run.total_steps}]")
     is_chief = jax.process_index() == 0
     cache = use_compile_cache(run.compile_cache_dir)
     if is_chief and cache:
@@ -493,6 +496,8 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
                                              enable_async_checkpointing=True),
         item_names=ckpt_lib.TRAIN_ITEMS)
     start = newest_intact_step(mngr, is_chief)  # a damaged newest step is moved aside, with a warning
+    if stop_at_step is not None and stop_at_step <= (start or 0):
+        raise ValueError(f"--stop_at_step={stop_at_step}: the run in {workdir} is already at step {start}")
     tx, schedule = make_optimizer(start or 0)
     state_sh = step_lib.state_shardings(model, tx, mesh, run.sharding_rules)
     if start is None:
@@ -707,12 +712,14 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
                 last_metrics = values
             if step % run.checkpoint_steps == 0 and step < run.total_steps:
                 save(step)
-            if step == stop_at_step:
-                preempted["flag"] = True
-            if preempted["flag"] or mngr.reached_preemption(step):
-                save(step, force=True)
+            if preempted["flag"] or step == stop_at_step or mngr.reached_preemption(step):
+                if mngr.latest_step() != step:  # not saved just above (a checkpoint step)
+                    save(step, force=True)
                 finish_saves()
-                if is_chief:
+                if is_chief and step == stop_at_step:
+                    print(f"stopped at step {step} (--stop_at_step): saved; the same command without it "
+                          f"continues to step {run.total_steps}", flush=True)
+                elif is_chief:
                     print(f"preempted: saved step {step}; rerun the same command to resume", flush=True)
                 return last_metrics
         if mngr.latest_step() != step:
@@ -829,7 +836,7 @@ def main(argv: list[str] | None = None) -> None:
     watch = peers.watch(fv.workdir)  # several processes: a lost one ends the others in one line
     code = 2
     try:
-        train(config, fv.workdir)
+        train(config, fv.workdir, stop_at_step=fv.stop_at_step)
         code = 0
     except (ValueError, FileNotFoundError, FloatingPointError, RunFault) as e:
         fail(e)

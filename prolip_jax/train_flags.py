@@ -22,6 +22,8 @@ FLAGS: tuple[tuple[str, str, str, str], ...] = (
                                                     "without auto-detection (TPU pods and SLURM are detected)")),
     ("num_processes", "integer", "N", "number of processes (with --coordinator_address)"),
     ("process_id", "integer", "I", "this process's index (with --coordinator_address)"),
+    ("stop_at_step", "integer", "N", ("save and stop at step N, as a preempted run does; the same "
+                                      "command without it continues to config.total_steps")),
 )
 # The config's sections (prolip_jax.train.SECTIONS plus loss, data and evals; a test keeps them
 # equal), named here so that help needs no import of the sections' modules.

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -117,7 +119,7 @@ def test_two_demo_trainings_are_bit_identical(tmp_path, demo_cache):
     """The demo is deterministic on one machine: two fresh processes training the same config
     log the same loss at every step and end with bit-identical parameters (so two `make demo`
     runs print the same table; the evaluation is a pure function of the checkpoint)."""
-    env = _env(demo_cache)
+    env = dict(_env(demo_cache), XLA_FLAGS=xla_flags(1))  # 20 steps: the compile is the cost, -O0 (conftest.py)
     runs = []
     for name in ("a", "b"):
         workdir = tmp_path / name

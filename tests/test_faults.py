@@ -353,15 +353,15 @@ def test_a_lost_process_ends_the_other_in_one_line(tmp_path):
                # A fresh cache: both processes compile on the first start, both read it on the restart.
                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))
 
-    def start(steps):
+    def start(*extra):
         port = _free_port()
         return [subprocess.Popen(
-            [sys.executable, "-m", "prolip_jax.train", "--config", f"configs/tiny.py:data=random,steps={steps}",
-             "--workdir", str(tmp_path / "w"), *ARGS, "--config.checkpoint_steps=2",
+            [sys.executable, "-m", "prolip_jax.train", "--config", "configs/tiny.py:data=random,steps=1000",
+             "--workdir", str(tmp_path / "w"), *ARGS, "--config.checkpoint_steps=2", *extra,
              "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i)],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
 
-    procs = start(1000)
+    procs = start()
     for line in procs[0].stdout:  # the chief's progress lines
         if line.startswith("[   3/"):
             break
@@ -377,7 +377,7 @@ def test_a_lost_process_ends_the_other_in_one_line(tmp_path):
         + re.escape(str(tmp_path / "w" / "checkpoints")), one_line(err)), err
     assert checkpoint.resolve(tmp_path / "w" / "checkpoints")[1] >= 2
 
-    procs = start(6)
+    procs = start("--stop_at_step=6")  # the same program as before: read from the cache
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     assert "resumed from" in outs[0][0]

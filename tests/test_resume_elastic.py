@@ -3,6 +3,7 @@ exact sources continue the global record sequence with nothing lost or repeated;
 are re-dealt and the cost is counted; the trainer does it from its checkpoints."""
 import json
 import logging
+import re
 
 import pytest
 
@@ -127,9 +128,12 @@ def test_trainer_resumes_its_data_on_2_then_1_then_2_processes(tmp_path):
             "--workdir", str(tmp_path / "w")]
 
     def run(steps, processes):
-        cmd = [sys.executable, "-m", "prolip_jax.train", "--config",
-               f"configs/tiny.py:steps={steps},data=demo", *args]
-        env = dict(_env(1), PROLIP_JAX_CACHE=str(cache))   # one device each: compiles fast
+        # One program for every run (total_steps 6, --stop_at_step before it), so the last run
+        # reads both processes' compiles of the first from a cache of its own.
+        cmd = [sys.executable, "-m", "prolip_jax.train", "--config", "configs/tiny.py:steps=6,data=demo",
+               *args, *([f"--stop_at_step={steps}"] if steps < 6 else [])]
+        env = dict(_env(1), PROLIP_JAX_CACHE=str(cache),   # one device each: compiles fast
+                   JAX_ENABLE_COMPILATION_CACHE="true", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))
         if processes == 1:
             procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True)]
@@ -155,3 +159,12 @@ def test_trainer_resumes_its_data_on_2_then_1_then_2_processes(tmp_path):
     for s in states:   # no skipped records: the stream is read up to 6 batches of 16, no gap
         assert s["origin"] == {"base": 4 * 16, "done": []} and s["batches"] == 6
         assert s["origin"]["base"] + 2 * s["source"]["next_index"] == 6 * 16
+
+    # A stop the run is already past: one line, exit 2, before anything is compiled or written.
+    saved = sorted((tmp_path / "w" / "checkpoints").iterdir())
+    late = subprocess.run([sys.executable, "-m", "prolip_jax.train", "--config", "configs/tiny.py:steps=6,data=demo",
+                           *args, "--stop_at_step=4"], cwd=ROOT, env=dict(_env(1), PROLIP_JAX_CACHE=str(cache)),
+                          capture_output=True, text=True, timeout=300)
+    assert late.returncode == 2 and late.stderr.count("\n") == 1, late.stderr[-2000:]
+    assert re.fullmatch(r"error: --stop_at_step=4: the run in \S+ is already at step 6\n", late.stderr), late.stderr
+    assert sorted((tmp_path / "w" / "checkpoints").iterdir()) == saved

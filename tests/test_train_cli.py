@@ -44,6 +44,8 @@ def _run_main(args, workdir):
      r"source \(40,\).*; and \d+ more\. Point --config\.init\.path at"),
     (["--config", TINY, "--config.keep_best.mode=best"], r"config\.keep_best\.mode='best' is not one of"),
     ([f"--config={EVAL_TYPO}"], r"config\.evals\.zs: unknown evaluator type 'zeroshoot'; registered: \[.*'zeroshot'"),
+    (["--config", TINY + ",steps=5", "--stop_at_step=6"], r"--stop_at_step=6 must be in \[1, config\.total_steps=5\]"),
+    (["--config", TINY, "--stop_at_step=0"], r"--stop_at_step=0 must be in \[1, config\.total_steps=200\]"),
 ])
 def test_bad_command_is_one_line_exit_2_nothing_created(tmp_path, capsys, args, expected):
     import re
