@@ -4,6 +4,7 @@
 set -euo pipefail
 
 ME="launch_slurm.sh"
+SUBCOMMANDS=(submit setup resume status logs stop job)
 SETTINGS=(WORKDIR DATA_PATH TOKENIZER GPUS_PER_NODE NODES CONFIG DATA_SOURCE VENV PYTHON PARTITION
           ACCOUNT QOS TIME CPUS_PER_TASK JOB_NAME COORDINATOR_PORT REPO_DIR)
 
@@ -45,11 +46,9 @@ Settings: environment variables, or flags (WORKDIR=x or --workdir=x)
     COORDINATOR_PORT  port of process 0 for jax.distributed [20000 + job id % 10000]
     REPO_DIR        the checkout the job runs [the one holding this script]
 
-Options
-  --dry-run      print every command, run none
-  -h, --help     this text
-  -- ARGS        passed to the trainer, e.g. -- --config.total_steps=1000
-                 (--config.x=y arguments are passed on without the --)
+EOF
+  options_help  # the options parse_args takes, shared
+  cat <<'EOF'
 
 Example
   bash scripts/launch_slurm.sh setup
@@ -58,54 +57,27 @@ Example
 EOF
 }
 
-die() { echo "$ME: $*" >&2; exit 2; }
-
-quote() {
-  local out="" a
-  for a in "$@"; do
-    if [[ $a =~ ^[A-Za-z0-9_./:=@,+%~-]+$ ]]; then out+="$a "; else out+="'${a//"'"/"'\\''"}' "; fi
+# die, quote, run, options_help, parse_args and require_settings, shared with launch_tpu_pod.sh:
+# beside this file in a checkout; under sbatch this file is SLURM's spool copy, elsewhere, so the job
+# reads them from the checkout that `submit` passes on as --repo-dir (an absolute path).
+COMMON=$(dirname "${BASH_SOURCE[0]}")/launch_common.sh
+if [[ ! -f $COMMON ]]; then
+  COMMON=${REPO_DIR:-}
+  for arg in "$@"; do
+    [[ $arg == -- ]] && break
+    if [[ $arg == --repo-dir=* ]]; then COMMON=${arg#*=}; fi
   done
-  printf '%s' "${out% }"
-}
-
-DRY_RUN=0
-run() {
-  echo "+ $(quote "$@")"
-  if [[ $DRY_RUN == 0 ]]; then "$@"; fi
-}
+  COMMON=$COMMON/scripts/launch_common.sh
+  [[ -f $COMMON ]] || { echo "$ME: no launch_common.sh beside this file or at $COMMON: run it from its checkout, or pass the checkout as --repo-dir" >&2; exit 2; }
+fi
+# shellcheck source=launch_common.sh
+source "$COMMON"
 
 # ---- arguments ---------------------------------------------------------------------------------
-SUBCOMMAND=submit
-TRAIN_EXTRA=()
-SEEN_SUB=0
-while (($#)); do
-  arg=$1; shift
-  case $arg in
-    -h|--help) usage; exit 0 ;;
-    --dry-run) DRY_RUN=1 ;;
-    --) TRAIN_EXTRA+=("$@"); break ;;
-    --config.*) TRAIN_EXTRA+=("$arg") ;;
-    --*=*)
-      name=${arg%%=*}; name=${name#--}; name=${name//-/_}; name=${name^^}
-      [[ " ${SETTINGS[*]} " == *" $name "* ]] || die "unknown option ${arg%%=*} (see --help)"
-      printf -v "$name" '%s' "${arg#*=}" ;;
-    setup|submit|resume|status|logs|stop|job)
-      ((SEEN_SUB == 0)) || die "one subcommand at a time (got '$SUBCOMMAND' and '$arg')"
-      SUBCOMMAND=$arg; SEEN_SUB=1 ;;
-    *) die "unknown argument '$arg' (see --help)" ;;
-  esac
-done
-[[ $SUBCOMMAND == resume ]] && SUBCOMMAND=submit
-
-for name in "${SETTINGS[@]}"; do printf -v "$name" '%s' "${!name:-}"; done
+parse_args "$@"
 # Under sbatch this file runs from SLURM's spool folder, so `submit` passes REPO_DIR on.
 REPO_DIR=${REPO_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 NODES=${NODES:-1}
-CONFIG=${CONFIG:-configs/prolip_b16_datacomp.py}
-# The source follows the shards' names unless set: *.array_record -> array_record, else tar.
-if [[ -z $DATA_SOURCE ]]; then
-  if [[ $DATA_PATH == *.array_record ]]; then DATA_SOURCE=array_record; else DATA_SOURCE=tar; fi
-fi
 VENV=${VENV:-$REPO_DIR/.venv-cuda}
 JOB_NAME=${JOB_NAME:-prolip}
 
@@ -114,12 +86,7 @@ case $SUBCOMMAND in
   submit|job) required=(WORKDIR DATA_PATH TOKENIZER GPUS_PER_NODE) ;;
   logs) required=(WORKDIR) ;;
 esac
-missing=()
-for name in "${required[@]+"${required[@]}"}"; do [[ -n ${!name} ]] || missing+=("$name"); done
-if ((${#missing[@]})); then
-  list=$(printf '%s, ' "${missing[@]}")
-  die "missing settings: ${list%, } (set them as environment variables or --name=value flags; see --help)"
-fi
+require_settings ${required[@]+"${required[@]}"}
 for name in NODES GPUS_PER_NODE; do
   [[ -z ${!name} || ${!name} =~ ^[1-9][0-9]*$ ]] || die "$name=${!name}: a positive whole number"
 done

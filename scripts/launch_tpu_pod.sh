@@ -5,6 +5,7 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 ME="launch_tpu_pod.sh"
+SUBCOMMANDS=(launch resume logs status stop delete)
 # Every setting: NAME (environment variable) or --name=value (flag, lowercase with dashes).
 SETTINGS=(TPU_NAME ZONE PROJECT ACCELERATOR_TYPE WORKDIR DATA_PATH TOKENIZER CONFIG DATA_SOURCE
           RUNTIME_VERSION SPOT REPO_URL BRANCH PYTHON_VERSION EXTRA_PACKAGES WORKER)
@@ -49,11 +50,9 @@ Settings: environment variables, or flags (TPU_NAME=x or --tpu-name=x)
     EXTRA_PACKAGES    also installed on the workers [gcsfs google-cloud-storage]
     WORKER            which worker `logs` follows [0]
 
-Options
-  --dry-run      print every command, run none
-  -h, --help     this text
-  -- ARGS        passed to the trainer, e.g. -- --config.total_steps=1000
-                 (--config.x=y arguments are passed on without the --)
+EOF
+  options_help  # the options parse_args takes, shared
+  cat <<'EOF'
 
 Example
   TPU_NAME=prolip-v5p ZONE=us-east5-a PROJECT=my-project ACCELERATOR_TYPE=v5p-64 \
@@ -62,53 +61,12 @@ Example
 EOF
 }
 
-die() { echo "$ME: $*" >&2; exit 2; }
-
-# Shell-quote for printing: plain words as they are, the rest in single quotes.
-quote() {
-  local out="" a
-  for a in "$@"; do
-    if [[ $a =~ ^[A-Za-z0-9_./:=@,+%~-]+$ ]]; then out+="$a "; else out+="'${a//"'"/"'\\''"}' "; fi
-  done
-  printf '%s' "${out% }"
-}
-
-DRY_RUN=0
-run() {
-  echo "+ $(quote "$@")"
-  if [[ $DRY_RUN == 0 ]]; then "$@"; fi
-}
+# die, quote, run, options_help, parse_args and require_settings, shared with launch_slurm.sh.
+# shellcheck source=launch_common.sh
+source "$ROOT/scripts/launch_common.sh"
 
 # ---- arguments ---------------------------------------------------------------------------------
-SUBCOMMAND=launch
-TRAIN_EXTRA=()
-SEEN_SUB=0
-while (($#)); do
-  arg=$1; shift
-  case $arg in
-    -h|--help) usage; exit 0 ;;
-    --dry-run) DRY_RUN=1 ;;
-    --) TRAIN_EXTRA+=("$@"); break ;;
-    --config.*) TRAIN_EXTRA+=("$arg") ;;
-    --*=*)
-      name=${arg%%=*}; name=${name#--}; name=${name//-/_}; name=${name^^}
-      [[ " ${SETTINGS[*]} " == *" $name "* ]] || die "unknown option ${arg%%=*} (see --help)"
-      printf -v "$name" '%s' "${arg#*=}" ;;
-    launch|resume|logs|status|stop|delete)
-      ((SEEN_SUB == 0)) || die "one subcommand at a time (got '$SUBCOMMAND' and '$arg')"
-      SUBCOMMAND=$arg; SEEN_SUB=1 ;;
-    *) die "unknown argument '$arg' (see --help)" ;;
-  esac
-done
-[[ $SUBCOMMAND == resume ]] && SUBCOMMAND=launch
-
-# Settings left unset read as empty (set -u), then defaults that are real values, never placeholders.
-for name in "${SETTINGS[@]}"; do printf -v "$name" '%s' "${!name:-}"; done
-CONFIG=${CONFIG:-configs/prolip_b16_datacomp.py}
-# The source follows the shards' names unless set: *.array_record -> array_record, else tar.
-if [[ -z $DATA_SOURCE ]]; then
-  if [[ $DATA_PATH == *.array_record ]]; then DATA_SOURCE=array_record; else DATA_SOURCE=tar; fi
-fi
+parse_args "$@"
 SPOT=${SPOT:-0}
 BRANCH=${BRANCH:-main}
 PYTHON_VERSION=${PYTHON_VERSION:-3.11}
@@ -125,15 +83,11 @@ fi
 
 required=(TPU_NAME ZONE PROJECT)
 [[ $SUBCOMMAND == launch ]] && required+=(ACCELERATOR_TYPE WORKDIR DATA_PATH TOKENIZER)
-missing=()
-for name in "${required[@]}"; do [[ -n ${!name} ]] || missing+=("$name"); done
+notes=()
 if [[ $SUBCOMMAND == launch && -n $ACCELERATOR_TYPE && -z $RUNTIME_VERSION ]]; then
-  missing+=("RUNTIME_VERSION (no default for ACCELERATOR_TYPE=$ACCELERATOR_TYPE)")
+  notes+=("RUNTIME_VERSION (no default for ACCELERATOR_TYPE=$ACCELERATOR_TYPE)")
 fi
-if ((${#missing[@]})); then
-  list=$(printf '%s, ' "${missing[@]}")
-  die "missing settings: ${list%, } (set them as environment variables or --name=value flags; see --help)"
-fi
+require_settings "${required[@]}" -- ${notes[@]+"${notes[@]}"}
 
 TPU=(gcloud compute tpus tpu-vm)
 WHERE=(--zone="$ZONE" --project="$PROJECT")

@@ -399,6 +399,27 @@ def test_slurm_job_one_process_per_gpu_with_jax_distributed(env, venv, tmp_path)
     assert not [c for c in calls if c[:2] == ["scontrol", "requeue"]]
 
 
+def test_slurm_job_runs_from_a_spool_copy(env, venv, tmp_path):
+    """sbatch runs a copy of the script from its spool folder, away from the checkout: the job
+    reads launch_common.sh from the checkout that submit passes as --repo-dir."""
+    log = Path(env["STUB_LOG"])
+    proc = _run(SLURM, env, **RUN, VENV=venv)
+    assert proc.returncode == 0, proc.stderr
+    sbatch = _calls(log)[-1]
+    log.unlink()
+    job = sbatch[sbatch.index(str(SLURM)) + 1:]
+    assert job[0] == "job" and f"--repo-dir={ROOT}" in job[:job.index("--")]
+    spool = tmp_path / "spool" / "job1234" / "slurm_script"
+    spool.parent.mkdir(parents=True)
+    shutil.copy(SLURM, spool)
+    proc = _run(spool, env, *job, **_job_env(tmp_path, venv))
+    assert proc.returncode == 0, proc.stderr
+    assert len([c for c in _calls(log) if c[0] == "python"]) == 16
+    # without it, one line that says what is missing
+    line = _one_error_line(_run(spool, env, *_job_args(venv), **_job_env(tmp_path, venv)))
+    assert "launch_common.sh" in line and "--repo-dir" in line
+
+
 @pytest.mark.parametrize("sig, requeued", [(signal.SIGUSR1, True), (signal.SIGTERM, False)])
 def test_slurm_job_signal_checkpoints_and_requeues(env, venv, tmp_path, sig, requeued):
     log = Path(env["STUB_LOG"])
