@@ -228,7 +228,16 @@ def no_persistent_cache_writes():
 
 
 _OOM = re.compile(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)", re.S)
+# The other form of XLA:TPU's out-of-memory error (E1000 CompileTimeHbmOom), a program just over.
+_OOM_USAGE = re.compile(r"RESOURCE_EXHAUSTED.*?Total hbm usage >= ([\d.]+)([KMGT]?)", re.S)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def oom_required_bytes(message: str) -> float | None:
+    """The HBM a program asked for, from XLA:TPU's out-of-memory compile error; None if the
+    message is not one."""
+    m = _OOM.search(message) or _OOM_USAGE.search(message)
+    return float(m.group(1)) * _UNITS[m.group(2)] if m else None
 
 
 MEMORY_KEYS = ("argument_bytes", "temp_bytes", "output_bytes", "alias_bytes", "code_bytes", "total_bytes")
@@ -245,11 +254,11 @@ def _compile(config: Any, devices: list[Any], hbm_gib: float, mcfg: Any = None,
         with no_persistent_cache_writes():
             compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001  (jax raises JaxRuntimeError; its type is private)
-        m = _OOM.search(str(e))
-        if m is None:
+        required = oom_required_bytes(str(e))
+        if required is None:
             raise
         return {**out, "compile_s": time.perf_counter() - t0, "compile_cpu_s": time.process_time() - c0, "fits": False,
-                "error": " ".join(str(e).split())[:300], "required_bytes": float(m.group(1)) * _UNITS[m.group(2)]}
+                "error": " ".join(str(e).split())[:300], "required_bytes": required}
     out["compile_s"], out["compile_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
     mem = compiled.memory_analysis()
     out.update(argument_bytes=mem.argument_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,

@@ -34,6 +34,13 @@ Override the source with `--config.init.path=...` (e.g. a local copy), lock the 
 `--config.optim.locked="('^visual/',)"`, and set per-group learning rates, layer-wise decay or an
 unlock step as prolip_jax/optim.py describes.
 
+TPU pod for siglip_l16, siglip_so400m and dfn_h14: a v5p-128 (64 chips, 256 per chip at the
+batch of 16,384), FSDP over all chips, scanned blocks, remat `dots_no_batch`, compiled at full
+depth (benchmarks/compile_tpu.py --topology v5p-128 --config configs/finetune.py:recipe=NAME):
+56.0 / 66.6 / 75.5 GiB of HBM per chip of 95.7. On a v4-256 (128 chips, 30.75 GiB each) add
+--config.model.remat=full: 6.6 / 7.7 / 10.2 GiB (dots_no_batch leaves L/16 under 10% free and
+does not fit the others). docs/performance.md has every row and its command.
+
 GPU cluster (SLURM) or TPU pod, from the repository root (settings: --help, docs/launch.md):
     CONFIG=configs/finetune.py:recipe=siglip_l16 bash scripts/launch_slurm.sh submit
     CONFIG=configs/finetune.py:recipe=siglip_l16 bash scripts/launch_tpu_pod.sh launch
@@ -46,16 +53,23 @@ from pathlib import Path
 from prolip_jax import config_args
 from prolip_jax.pretrained import warm_start
 
+# The large towers' remat on their v5p-128 (256 per chip): the matmul outputs kept, the rest
+# recomputed. Of the policies compiled to fit with >= 10% of the HBM free, the one that
+# recomputes least ("full" recomputes every block's forward; docstring above).
+_V5P_REMAT = "dots_no_batch"
+
 # recipe -> (model variant, warm-start source, data/optimiser/loss settings)
 RECIPES = {
     "siglip_l16": dict(variant="L/16", init="timm/ViT-L-16-SigLIP-256", normalization="0.5",
-                       lr=5e-5, weight_decay=0.0, warmup_steps=2_000, batch_size=16_384, samples=1_280_000_000),
+                       lr=5e-5, weight_decay=0.0, warmup_steps=2_000, batch_size=16_384, samples=1_280_000_000,
+                       remat=_V5P_REMAT),
     # SigLIP So400m/14 has a 16-token context: all 16 rows are interpolated to ProLIP's 64.
     "siglip_so400m": dict(variant="So400m/14", init="timm/ViT-SO400M-14-SigLIP", normalization="0.5",
                           lr=5e-5, weight_decay=0.0, warmup_steps=2_000, batch_size=16_384, samples=1_280_000_000,
-                          text_pos_keep=0),
+                          text_pos_keep=0, remat=_V5P_REMAT),
     "dfn_h14": dict(variant="H/14", init="apple/DFN5B-CLIP-ViT-H-14", normalization="openai",
-                    lr=5e-5, weight_decay=0.0, warmup_steps=2_000, batch_size=16_384, samples=1_280_000_000),
+                    lr=5e-5, weight_decay=0.0, warmup_steps=2_000, batch_size=16_384, samples=1_280_000_000,
+                    remat=_V5P_REMAT),
     "long": dict(variant="B/16-long", init="SanghyukChun/ProLIP-ViT-B-16-DC-1B-12_8B", normalization="openai",
                  lr=1e-6, weight_decay=0.01, warmup_steps=200, batch_size=8_192, samples=32 * 8_000_000,
                  inclusion_eps=-100.0, inclusion_scale=10.0, context_length=256),
@@ -73,6 +87,7 @@ def get_config(arg=None):
     base_variant = "B/16" if r["variant"] == "B/16-long" else r["variant"]
     c = config_args.load_config_file(f"{Path(__file__).with_name('prolip_b16_datacomp.py')}:variant={base_variant}")
     c.model.variant = r["variant"]
+    c.model.remat = r.get("remat", c.model.remat)
     c.batch_size = r["batch_size"]
     c.total_steps = r["samples"] // r["batch_size"]
     c.data.normalization = r["normalization"]

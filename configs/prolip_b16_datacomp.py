@@ -32,10 +32,12 @@ from prolip_jax import config_args
 
 _SAMPLES = {"1.28B": 1_280_000_000, "12.8B": 12_800_000_000}
 # Image size, sharding and memory layout per variant. ViTs from L/16 up shard parameters (FSDP),
-# scan their blocks and rematerialise them in full: at batch 16,384 on a v5p-128 (64 chips) L/16,
-# So400m/14 and H/14 then need 12 / 14 / 20 GiB of HBM per chip, compiled at full depth
-# (benchmarks/compile_tpu.py; docs/performance.md "TPU pods: full-depth compiles with scanned
-# layers"). B/16 stays unrolled without remat: scanned it needed 33.4 GiB on a v4 chip (30.75).
+# scan their blocks and rematerialise them in full: at batch 16,384 on the v4-256 named above
+# (128 chips) L/16, So400m/14 and H/14 then need 6.6 / 7.7 / 10.2 GiB of HBM per chip of 30.75,
+# compiled at full depth (benchmarks/compile_tpu.py; docs/performance.md "TPU pods"); the cheaper
+# remat dots_no_batch leaves L/16 under 10% of the HBM free and does not fit the others there.
+# (On a v5p-128 it fits all three: configs/finetune.py.) B/16 stays unrolled without remat:
+# scanned it needed 33.4 GiB on a v4 chip.
 _LARGE = dict(mesh=(1, -1, 1), rules="fsdp", scan_layers=True, remat="full")
 _VARIANTS = {
     "B/16": dict(image_size=224, context_length=64, mesh=(-1, 1, 1), rules="replicated", scan_layers=False,

@@ -123,3 +123,16 @@ def test_hbm_table_is_what_the_compiler_allows(name):
         jax.jit(lambda a: a.sum()).lower(x).compile()
     available = ct._OOM.search(str(e.value))
     assert available and float(available.group(3)) * ct._UNITS[available.group(4)] == topo.hbm_gib * (1 << 30)
+
+
+def test_both_forms_of_the_tpu_out_of_memory_error():
+    """XLA:TPU says a program is too large in two ways; both give the bytes it asked for (an
+    H/14 step on a v4-256 gave the second, benchmarks/compile_tpu.py then stopped with a traceback)."""
+    over = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
+            "Used 61.50G of 30.75G hbm. ... (61.50G) exceeds available HBM (30.75G)")
+    assert ct.oom_required_bytes(over) == 61.5 * (1 << 30)
+    just_over = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: XLA:TPU compile permanent error. Ran out of memory "
+                 "in memory space hbm. Used 30.75G of 30.75G hbm. Exceeded hbm capacity by 2.24M.\n\n"
+                 "Total hbm usage >= 32.00G:\n    reserved          1.25G \n    program          30.61G \n")
+    assert ct.oom_required_bytes(just_over) == 32.0 * (1 << 30)
+    assert ct.oom_required_bytes("INTERNAL: something else") is None
