@@ -21,7 +21,8 @@ def xla_flags(devices: int) -> str:
     return f"--xla_force_host_platform_device_count={devices} {OPT_LEVEL_FLAG}"
 
 
-# Eight fake CPU devices for sharding tests, whoever runs pytest (make sets it too).
+# Eight fake CPU devices for sharding tests, whoever runs pytest (`make test` drops a caller's own
+# XLA_FLAGS first, so these always apply there).
 os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Identical programs (a resumed run, a re-created train step) are compiled once per session:
