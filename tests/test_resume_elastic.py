@@ -127,11 +127,12 @@ def test_trainer_resumes_its_data_on_2_then_1_then_2_processes(tmp_path):
     args = [*ARGS, "--config.data.demo.num_train=64", "--config.checkpoint_steps=100",
             "--workdir", str(tmp_path / "w")]
 
+    train = [sys.executable, "-m", "prolip_jax.train", "--config", "configs/tiny.py:steps=6,data=demo", *args]
+
     def run(steps, processes):
         # One program for every run (total_steps 6, --stop_at_step before it), so the last run
         # reads both processes' compiles of the first from a cache of its own.
-        cmd = [sys.executable, "-m", "prolip_jax.train", "--config", "configs/tiny.py:steps=6,data=demo",
-               *args, *([f"--stop_at_step={steps}"] if steps < 6 else [])]
+        cmd = train + ([f"--stop_at_step={steps}"] if steps < 6 else [])
         env = dict(_env(1), PROLIP_JAX_CACHE=str(cache),   # one device each: compiles fast
                    JAX_ENABLE_COMPILATION_CACHE="true", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))
         if processes == 1:
@@ -162,8 +163,7 @@ def test_trainer_resumes_its_data_on_2_then_1_then_2_processes(tmp_path):
 
     # A stop the run is already past: one line, exit 2, before anything is compiled or written.
     saved = sorted((tmp_path / "w" / "checkpoints").iterdir())
-    late = subprocess.run([sys.executable, "-m", "prolip_jax.train", "--config", "configs/tiny.py:steps=6,data=demo",
-                           *args, "--stop_at_step=4"], cwd=ROOT, env=dict(_env(1), PROLIP_JAX_CACHE=str(cache)),
+    late = subprocess.run(train + ["--stop_at_step=4"], cwd=ROOT, env=dict(_env(1), PROLIP_JAX_CACHE=str(cache)),
                           capture_output=True, text=True, timeout=300)
     assert late.returncode == 2 and late.stderr.count("\n") == 1, late.stderr[-2000:]
     assert re.fullmatch(r"error: --stop_at_step=4: the run in \S+ is already at step 6\n", late.stderr), late.stderr
