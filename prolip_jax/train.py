@@ -712,11 +712,12 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
                 last_metrics = values
             if step % run.checkpoint_steps == 0 and step < run.total_steps:
                 save(step)
-            if preempted["flag"] or step == stop_at_step or mngr.reached_preemption(step):
+            asked_to_stop = step == stop_at_step
+            if asked_to_stop or preempted["flag"] or mngr.reached_preemption(step):
                 if mngr.latest_step() != step:  # not saved just above (a checkpoint step)
                     save(step, force=True)
                 finish_saves()
-                if is_chief and step == stop_at_step:
+                if is_chief and asked_to_stop:
                     print(f"stopped at step {step} (--stop_at_step): saved; the same command without it "
                           f"continues to step {run.total_steps}", flush=True)
                 elif is_chief:

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import xla_flags
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -119,13 +117,14 @@ def test_two_demo_trainings_are_bit_identical(tmp_path, demo_cache):
     """The demo is deterministic on one machine: two fresh processes training the same config
     log the same loss at every step and end with bit-identical parameters (so two `make demo`
     runs print the same table; the evaluation is a pure function of the checkpoint)."""
-    env = dict(_env(demo_cache), XLA_FLAGS=xla_flags(1))  # 20 steps: the compile is the cost, -O0 (conftest.py)
+    # The smoke run's own program (its config, stopped at step 20), compiled as `make demo` does:
+    # after test_demo_smoke_end_to_end both runs read it from the suite's compile cache.
     runs = []
     for name in ("a", "b"):
         workdir = tmp_path / name
-        run = subprocess.run([sys.executable, "-m", "prolip_jax.train", "--config", "configs/demo.py:smoke=1,steps=20",
-                              "--workdir", str(workdir), "--config.log_steps=1"],
-                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        run = subprocess.run([sys.executable, "-m", "prolip_jax.train", "--config", "configs/demo.py:smoke=1",
+                              "--workdir", str(workdir), "--config.log_steps=1", "--stop_at_step=20"],
+                             cwd=ROOT, env=_env(demo_cache), capture_output=True, text=True, timeout=900)
         assert run.returncode == 0, run.stderr[-4000:]
         losses = [(r["step"], r["loss"]) for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
                   if "loss" in r]
