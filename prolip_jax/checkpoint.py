@@ -35,6 +35,17 @@ from prolip_jax.models.prolip import abstract_params
 PARAMS = "params"
 CONFIG = "config"
 
+# Orbax splits the save of a replicated array across its replicas, each writing a slice it cuts
+# with an eager `lax.slice`: one small XLA compile per array shape and device at the first save
+# (96 for the micro model's parameters on 8 devices, ~4 s on CPU). Below 1 MiB a slice saves
+# nothing worth that: one replica writes the array whole, as orbax does on GPU anyway
+# (orbax/checkpoint/_src/serialization/jax_array_handlers.py). The arrays are the same, only
+# their files' chunks differ; either reads back. orbax 0.12 has no public setter for the knob.
+REPLICA_PARALLEL_MIN_BYTES = 1 << 20
+_ARRAY_HANDLER = ocp.type_handlers.get_type_handler(jax.Array)
+if hasattr(_ARRAY_HANDLER, "_min_slice_bytes_for_replica_parallel"):
+    _ARRAY_HANDLER._min_slice_bytes_for_replica_parallel = REPLICA_PARALLEL_MIN_BYTES
+
 
 def save_params(directory: str | os.PathLike, params: Mapping[str, Any], config: ProLIPConfig,
                 step: int = 0, metadata: Mapping[str, Any] | None = None, tokenizer: Any = None) -> Path:

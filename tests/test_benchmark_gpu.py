@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import benchmark_gpu  # noqa: E402
+from conftest import xla_flags  # noqa: E402
 from benchmark_step import largest_fitting  # noqa: E402
 
 
@@ -78,9 +79,10 @@ def _runs(part: dict) -> dict:
 
 def test_the_whole_plan_at_tiny_size_on_cpu(tmp_path):
     out = tmp_path / "out"
-    # Every run here is 1-3 steps, its time the compile's: the plan's subprocesses inherit the
-    # suite's XLA_FLAGS (LLVM -O0, conftest.py), and the plan's figures are not what is tested.
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    # Every run here is 1-3 steps, its time the compile's: the plan's subprocesses inherit these
+    # XLA_FLAGS, LLVM -O0 (conftest.py; the plan's figures are not what is tested) on one CPU
+    # device, as the plan runs on one GPU (the suite's 8 fake devices: 132 s here, one: 104 s).
+    env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS=xla_flags(1))
     p = subprocess.run([sys.executable, "benchmarks/benchmark_gpu.py", "--out", str(out), "--tiny"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stdout + p.stderr
