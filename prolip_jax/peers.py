@@ -10,10 +10,10 @@ changed for `timeout_s` (PROLIP_PEER_TIMEOUT_S, default 60 s), one that ended wi
 a coordinator that no longer answers, ends this process with one line and exit code 2. A process
 that ended cleanly (the run finished, or preempted and saved) says so first, and is not missed.
 
-Not covered: when the coordinator (process 0) dies, jax's client in every other process sees
-its error-polling call fail and aborts at once with a C++ stack trace (jaxlib's callback for
-that, `missed_heartbeat_callback`, cannot be given a Python function: its status argument has no
-Python conversion). Those processes stop at once, without the one line.
+Not here: when the coordinator (process 0) dies, jax's client in every other process sees its
+error-polling call fail and aborts at once with a C++ stack trace (jaxlib's callback for that,
+`missed_heartbeat_callback`, cannot be given a Python function: its status argument has no
+Python conversion). prolip_jax/supervise.py turns that abort into the one line.
 
 Restarting every process with the same command resumes from the newest intact checkpoint.
 """

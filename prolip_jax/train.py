@@ -41,7 +41,7 @@ from input_pipeline.config import DataConfig
 from prolip_jax import checkpoint as ckpt_lib
 from prolip_jax import flops as flops_lib
 from prolip_jax import config_args, library_logs, messages, objectives, optim, overview, profiling, schema, sharding
-from prolip_jax import paths, peers
+from prolip_jax import paths, peers, supervise
 from prolip_jax import step as step_lib
 from prolip_jax.data import build_train_data
 from prolip_jax.metrics import MetricWriter
@@ -254,9 +254,14 @@ def maybe_initialize_distributed(coordinator_address: str | None, num_processes:
         # Nothing may touch the backend before initialize(), so do not ask which one it is.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address, num_processes, process_id)
-    elif (os.environ.get("PROLIP_DISTRIBUTED") == "1" or int(os.environ.get("SLURM_NTASKS", "1")) > 1
-          or "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")):
+    elif auto_distributed():
         jax.distributed.initialize()
+
+
+def auto_distributed() -> bool:
+    """A multi-process launch that jax.distributed.initialize() detects by itself."""
+    return (os.environ.get("PROLIP_DISTRIBUTED") == "1" or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+            or "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""))
 
 
 EVAL_KEYS = ("type", "log_steps", "prefix")
@@ -442,8 +447,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
     Library logging (orbax, grain, absl) goes to WORKDIR/train.log, not the console
     (prolip_jax/library_logs.py; process i > 0: train.process_<i>.log).
     """
-    name = library_logs.LOG_NAME if jax.process_index() == 0 else f"train.process_{jax.process_index()}.log"
-    with library_logs.to_file(paths.as_path(workdir) / name):
+    with library_logs.to_file(paths.as_path(workdir) / library_logs.log_name(jax.process_index())):
         return _train(config, workdir, stop_at_step=stop_at_step)
 
 
@@ -832,6 +836,11 @@ def main(argv: list[str] | None = None) -> None:
     except (flags.Error, ValueError, TypeError, FileNotFoundError, AttributeError, KeyError) as e:
         fail(e)
 
+    if supervise.is_child():
+        supervise.die_with_parent()
+    elif fv.coordinator_address or auto_distributed():  # several processes: see prolip_jax/supervise.py
+        trainer = [sys.executable, "-m", "prolip_jax.train", *argv[1:]]
+        sys.exit(supervise.run(trainer, fv.workdir, fv.process_id, fv.num_processes))
     logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
     maybe_initialize_distributed(fv.coordinator_address, fv.num_processes, fv.process_id)
     watch = peers.watch(fv.workdir)  # several processes: a lost one ends the others in one line

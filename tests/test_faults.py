@@ -337,8 +337,10 @@ def test_peer_watch_names_a_silent_failed_or_unreachable_process():
 
 def test_a_lost_process_ends_the_other_in_one_line(tmp_path):
     """Two processes x 4 CPU devices: process 1 is killed with SIGKILL after step 3; process 0
-    stops within PROLIP_PEER_TIMEOUT_S (+ one beat) with one line, exit 2, never hanging; both
-    restarted resume from the checkpoint of step 2 and finish."""
+    stops within PROLIP_PEER_TIMEOUT_S (+ one beat) with one line, exit 2, never hanging. Both
+    restarted, the coordinator (process 0) is killed after step 3: process 1 stops at once with
+    one line (prolip_jax/supervise.py), exit 2. Both restarted again resume from the newest
+    checkpoint and finish."""
     import os
     import re
     import signal
@@ -377,7 +379,25 @@ def test_a_lost_process_ends_the_other_in_one_line(tmp_path):
         + re.escape(str(tmp_path / "w" / "checkpoints")), one_line(err)), err
     assert checkpoint.resolve(tmp_path / "w" / "checkpoints")[1] >= 2
 
-    procs = start("--stop_at_step=6")  # the same program as before: read from the cache
+    procs = start()  # the same program as before: read from the cache
+    for line in procs[0].stdout:
+        if line.startswith("[   3/"):
+            break
+    procs[0].send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    out, err = procs[1].communicate(timeout=120)
+    waited = time.monotonic() - t0
+    procs[0].communicate()
+    assert procs[1].returncode == 2 and waited < 30, waited
+    log = tmp_path / "w" / "train.process_1.log"
+    assert re.fullmatch(
+        r"error: process 1 of 2 lost the run's coordinator \(process 0: killed, or its machine lost\) and jax "
+        r"ended it \(SIGABRT\); its report: " + re.escape(str(log)) + r"\. Restart every process with the same "
+        r"command: the run resumes from the newest intact checkpoint in " + re.escape(str(tmp_path / "w" / "checkpoints")),
+        one_line(err)), err
+    assert "Terminating process because the JAX distributed service detected fatal errors" in log.read_text()
+
+    procs = start("--stop_at_step=6")
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     assert "resumed from" in outs[0][0]
