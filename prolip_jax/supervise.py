@@ -15,7 +15,8 @@ run is a small parent that starts the real trainer as its child with the same ar
     in the workdir (train.log or train.process_<i>.log, beside the libraries' logs:
     prolip_jax/library_logs.py) and prints one line naming the lost coordinator, or the signal,
     and the checkpoint to resume from; exit 2;
-  * forwards SIGTERM (preemption: the child saves and exits 0) and exits with the child's code.
+  * forwards SIGTERM (preemption: the child saves and exits 0), leaves Ctrl-C to the child (the
+    terminal sends it to both) and exits with the child's code.
 
 The child dies with the parent (Linux `PR_SET_PDEATHSIG`, set by the child at start-up), so a
 kill -9 of this process still takes its trainer with it (tests/test_faults.py).
@@ -63,7 +64,10 @@ def run(command: list[str], workdir: str, process_id: int | None, num_processes:
     num_processes: the command line's (None where jax detects them: SLURM's then)."""
     child = subprocess.Popen(command, env={**os.environ, CHILD_ENV: str(os.getpid())},
                              stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1)
-    previous = signal.signal(signal.SIGTERM, lambda sig, _: child.send_signal(sig))
+    # SIGTERM (a preemption notice, `kill`) goes on to the trainer, which saves and exits. Ctrl-C
+    # reaches the trainer from the terminal by itself (one process group): ignored here.
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda sig, _: child.send_signal(sig)),
+                signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
     lines: queue.Queue = queue.Queue()
 
     def read() -> None:
@@ -84,7 +88,7 @@ def run(command: list[str], workdir: str, process_id: int | None, num_processes:
             try:
                 line = lines.get(timeout=QUIET_S)
             except queue.Empty:
-                if not any(line.startswith("F") for line in held):  # a fatal one: the abort follows
+                if not any(CPP_LOG.match(h) and h[0] == "F" for h in held):  # a fatal line: the abort follows
                     flush()  # a quiet second after a C++ block: it was only a warning
                 continue
             if held or CPP_LOG.match(line):
@@ -94,7 +98,8 @@ def run(command: list[str], workdir: str, process_id: int | None, num_processes:
                 sys.stderr.flush()
         code = child.wait()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if code >= 0 or not held:
         flush()
         return code if code >= 0 else 128 - code

@@ -85,6 +85,29 @@ def test_sigterm_reaches_the_trainer(tmp_path, capfd):
     assert signal.getsignal(signal.SIGTERM) is before   # the caller's handler is back
 
 
+def test_ctrl_c_is_left_to_the_trainer(tmp_path, capfd):
+    """The terminal sends SIGINT to the whole process group: the supervisor waits for its trainer
+    (no KeyboardInterrupt of its own) and exits with the trainer's code."""
+    started = tmp_path / "started"
+    command = child(f"""
+        import pathlib, time
+        pathlib.Path({str(started)!r}).touch()
+        time.sleep(1.5)
+        print("finished", flush=True)
+    """)
+
+    def interrupt_when_started():
+        while not started.exists():
+            time.sleep(0.05)
+        signal.raise_signal(signal.SIGINT)   # the parent's share of a Ctrl-C
+
+    before = signal.getsignal(signal.SIGINT)
+    threading.Thread(target=interrupt_when_started, daemon=True).start()
+    assert supervise.run(command, str(tmp_path), 0, 2) == 0
+    assert capfd.readouterr().out == "finished\n"
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 def test_the_child_dies_with_its_supervisor(tmp_path):
     """kill -9 of the supervising parent takes the trainer with it (Linux PR_SET_PDEATHSIG)."""
     if not sys.platform.startswith("linux"):
