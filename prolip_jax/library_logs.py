@@ -28,14 +28,14 @@ from typing import Any, Iterator
 from prolip_jax import paths
 
 LOG_NAME = "train.log"
+# absl's logger carries orbax's, grain's and absl's own lines; asyncio's reports the write tasks of
+# a failed orbax save ("Task exception was never retrieved").
+LOGGERS = ("absl", "asyncio")
 
 
 def log_name(process_index: int) -> str:
     """The trainer's log file in the workdir: train.log (process 0), train.process_<i>.log."""
     return LOG_NAME if process_index == 0 else f"train.process_{process_index}.log"
-# absl's logger carries orbax's, grain's and absl's own lines; asyncio's reports the write tasks of
-# a failed orbax save ("Task exception was never retrieved").
-LOGGERS = ("absl", "asyncio")
 
 
 class _PathHandler(logging.Handler):

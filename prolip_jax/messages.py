@@ -17,3 +17,10 @@ def few(items: Iterable[Any], n: int = 3, sep: str = ", ") -> str:
     if len(items) > n:
         return f"{shown}{sep.rstrip() + ' ' if shown else ''}and {len(items) - n:,} more"
     return shown
+
+
+def restart_every_process(workdir: Any) -> str:
+    """The end of a multi-process run's one-line error for a lost process (prolip_jax/peers.py,
+    prolip_jax/supervise.py): what to do next."""
+    return ("Restart every process with the same command: the run resumes from the newest intact "
+            f"checkpoint in {str(workdir).rstrip('/')}/checkpoints")

@@ -28,6 +28,8 @@ from typing import Any, Callable
 import jax
 from jax._src import distributed  # the client jax.distributed.initialize made (no public handle)
 
+from prolip_jax import messages
+
 TIMEOUT_S = float(os.environ.get("PROLIP_PEER_TIMEOUT_S", "60"))
 _BEAT, _EXIT = "prolip_jax/beat/{}", "prolip_jax/exit/{}"
 
@@ -109,8 +111,7 @@ def watch(workdir: str) -> PeerWatch | None:
 def _end(problem: str, workdir: str) -> None:
     """One line on stderr, exit 2 (the main thread may be blocked in a collective with the lost
     process, so no cleanup runs)."""
-    ckpt = f"{str(workdir).rstrip('/')}/checkpoints"
-    print(f"error: {problem}; stopping process {jax.process_index()} too. Restart every process with the same "
-          f"command: the run resumes from the newest intact checkpoint in {ckpt}", file=sys.stderr, flush=True)
+    print(f"error: {problem}; stopping process {jax.process_index()} too. {messages.restart_every_process(workdir)}",
+          file=sys.stderr, flush=True)
     os._exit(2)
 

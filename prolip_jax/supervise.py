@@ -34,7 +34,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from prolip_jax import library_logs, paths
+from prolip_jax import library_logs, messages, paths
 
 CHILD_ENV = "PROLIP_JAX_SUPERVISOR_PID"  # set in the child: the parent's pid
 # absl's C++ log line: severity, MMDD, time, thread, file:line]
@@ -108,14 +108,13 @@ def run(command: list[str], workdir: str, process_id: int | None, num_processes:
     process = "this process" if process_id is None else f"process {process_id} of {num_processes}"
     report = _keep(held, workdir, process_id or 0)
     name = signal.Signals(-code).name
-    ckpt = f"{str(workdir).rstrip('/')}/checkpoints"
     if any(COORDINATOR_LOST in line for line in held):
         what = (f"{process} lost the run's coordinator (process 0: killed, or its machine lost) and jax "
                 f"ended it ({name})")
     else:
         what = f"{process} was ended by {name} from inside jax or XLA"
-    print(f"error: {what}; its report: {report}. Restart every process with the same command: the run "
-          f"resumes from the newest intact checkpoint in {ckpt}", file=sys.stderr, flush=True)
+    print(f"error: {what}; its report: {report}. {messages.restart_every_process(workdir)}", file=sys.stderr,
+          flush=True)
     return 2
 
 

@@ -363,32 +363,31 @@ def test_a_lost_process_ends_the_other_in_one_line(tmp_path):
              "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i)],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
 
-    procs = start()
-    for line in procs[0].stdout:  # the chief's progress lines
-        if line.startswith("[   3/"):
-            break
-    procs[1].send_signal(signal.SIGKILL)
-    t0 = time.monotonic()
-    out, err = procs[0].communicate(timeout=120)
-    waited = time.monotonic() - t0
-    procs[1].communicate()
-    assert procs[0].returncode == 2 and waited < 10 + 5 + 10, waited
+    def kill_after_step_3(victim):
+        """Starts both, kills process `victim` once the chief logs step 3: (the other's exit code,
+        its stderr, the seconds it took to stop)."""
+        procs = start()
+        for line in procs[0].stdout:  # the chief's progress lines
+            if line.startswith("[   3/"):
+                break
+        procs[victim].send_signal(signal.SIGKILL)
+        other = procs[1 - victim]
+        t0 = time.monotonic()
+        _, err = other.communicate(timeout=120)
+        waited = time.monotonic() - t0
+        procs[victim].communicate()
+        return other.returncode, err, waited
+
+    code, err, waited = kill_after_step_3(1)
+    assert code == 2 and waited < 10 + 5 + 10, waited
     assert re.fullmatch(
         r"error: process 1 of 2 has sent no heartbeat for 1\d s \(killed, or its machine lost\); stopping process 0 "
         r"too\. Restart every process with the same command: the run resumes from the newest intact checkpoint in "
         + re.escape(str(tmp_path / "w" / "checkpoints")), one_line(err)), err
     assert checkpoint.resolve(tmp_path / "w" / "checkpoints")[1] >= 2
 
-    procs = start()  # the same program as before: read from the cache
-    for line in procs[0].stdout:
-        if line.startswith("[   3/"):
-            break
-    procs[0].send_signal(signal.SIGKILL)
-    t0 = time.monotonic()
-    out, err = procs[1].communicate(timeout=120)
-    waited = time.monotonic() - t0
-    procs[0].communicate()
-    assert procs[1].returncode == 2 and waited < 30, waited
+    code, err, waited = kill_after_step_3(0)  # the same program as before: read from the cache
+    assert code == 2 and waited < 30, waited
     log = tmp_path / "w" / "train.process_1.log"
     assert re.fullmatch(
         r"error: process 1 of 2 lost the run's coordinator \(process 0: killed, or its machine lost\) and jax "
