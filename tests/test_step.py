@@ -41,11 +41,20 @@ def setup():
 _COMPILED = {}  # one compiled step per (mesh, rules, microbatches): compiles dominate on CPU
 
 
-def run(setup, shape, rules, microbatches=1, batch=None, steps=1, ppcl_impl="dense"):
+@pytest.fixture(scope="module")
+def initial(setup):
+    """The initial state on one device, created once: every mesh gets a copy laid out its way
+    (the values do not depend on the mesh; a jitted init per mesh only costs its compile)."""
+    model, tx, _, _ = setup
+    mesh = sharding.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), jax.devices()[:1])
+    return jax.device_get(S.create_train_state(model, tx, mesh, "replicated", seed=0)[0])
+
+
+def run(setup, initial, shape, rules, microbatches=1, batch=None, steps=1, ppcl_impl="dense"):
     model, tx, schedule, default_batch = setup
     n = math.prod(shape)
     mesh = sharding.make_mesh(shape, ("data", "fsdp", "tensor"), jax.devices()[:n])
-    state, _ = S.create_train_state(model, tx, mesh, rules, seed=0)
+    state = jax.device_put(initial, S.state_shardings(model, tx, mesh, rules))
     key = (shape, rules, microbatches, ppcl_impl)
     if key not in _COMPILED:
         cfg = dataclasses.replace(CFG, microbatches=microbatches,
@@ -60,8 +69,8 @@ def run(setup, shape, rules, microbatches=1, batch=None, steps=1, ppcl_impl="den
 
 
 @pytest.fixture(scope="module")
-def single(setup):
-    return run(setup, (1, 1, 1), "replicated")
+def single(setup, initial):
+    return run(setup, initial, (1, 1, 1), "replicated")
 
 
 def _compare(state, ref_state, metrics, ref_metrics):
@@ -81,8 +90,8 @@ def _compare(state, ref_state, metrics, ref_metrics):
     ("data", (8, 1, 1), "replicated", "dense"),
     ("fsdp_ring", (2, 4, 1), "fsdp", "ring"),  # the shard_map ring over data x fsdp, in the step
     ("tensor", (4, 1, 2), "tensor", "dense")])
-def test_mesh_matches_single_device(setup, single, name, shape, rules, ppcl_impl):
-    state, metrics = run(setup, shape, rules, ppcl_impl=ppcl_impl)
+def test_mesh_matches_single_device(setup, initial, single, name, shape, rules, ppcl_impl):
+    state, metrics = run(setup, initial, shape, rules, ppcl_impl=ppcl_impl)
     _compare(state, single[0], metrics, single[1])
 
 
@@ -102,9 +111,9 @@ def test_rules_constrain_the_activations(setup):
     assert constraint not in texts[None]
 
 
-def test_microbatches_match_one_batch(setup, single):
+def test_microbatches_match_one_batch(setup, initial, single):
     """Gradient caching: k = 2 microbatches (on 8 data shards) == the one-batch step."""
-    state, metrics = run(setup, (8, 1, 1), "fsdp", microbatches=2)
+    state, metrics = run(setup, initial, (8, 1, 1), "fsdp", microbatches=2)
     _compare(state, single[0], metrics, single[1])
 
 
@@ -121,14 +130,12 @@ def test_key_bias_gradient_is_noise(setup):
         assert kb < 1e-6 * qb, (tower, kb, qb)
 
 
-def test_nonfinite_step_is_skipped(setup, single):
+def test_nonfinite_step_is_skipped(setup, initial, single):
     model, tx, schedule, batch = setup
     bad = {**batch, "image": batch["image"].copy()}
     bad["image"][3] = np.nan
-    state, metrics = run(setup, (1, 1, 1), "replicated", batch=bad)
-    fresh, _ = S.create_train_state(model, tx, sharding.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"),
-                                                                  jax.devices()[:1]), "replicated", seed=0)
-    jax.tree.map(np.testing.assert_array_equal, state.params, jax.device_get(fresh.params))
+    state, metrics = run(setup, initial, (1, 1, 1), "replicated", batch=bad)
+    jax.tree.map(np.testing.assert_array_equal, state.params, initial.params)
     assert int(state.step) == 1 and int(state.skipped) == 1 and int(metrics["nonfinite"]) == 1
 
 
