@@ -9,13 +9,15 @@ optimiser, step and the data iterator's position); SIGTERM saves a checkpoint an
 """
 from __future__ import annotations
 
-# The imports below wait until `--help` is answered: jax and the project take seconds to load.
+# The imports below wait until `--help` is answered and, in a multi-process launch, until this
+# process has become the supervisor of the one that trains: jax and the project take seconds to load.
 import sys
 
-from prolip_jax import train_flags
+from prolip_jax import supervise, train_flags
 
 if __name__ == "__main__":
     train_flags.exit_if_help(sys.argv, __doc__)
+    supervise.exit_if_supervisor(sys.argv)
 
 import contextlib
 import dataclasses
@@ -41,7 +43,7 @@ from input_pipeline.config import DataConfig
 from prolip_jax import checkpoint as ckpt_lib
 from prolip_jax import flops as flops_lib
 from prolip_jax import config_args, library_logs, messages, objectives, optim, overview, profiling, schema, sharding
-from prolip_jax import paths, peers, supervise
+from prolip_jax import paths, peers
 from prolip_jax import step as step_lib
 from prolip_jax.data import build_train_data
 from prolip_jax.metrics import MetricWriter
@@ -254,14 +256,8 @@ def maybe_initialize_distributed(coordinator_address: str | None, num_processes:
         # Nothing may touch the backend before initialize(), so do not ask which one it is.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address, num_processes, process_id)
-    elif auto_distributed():
+    elif supervise.auto_distributed():
         jax.distributed.initialize()
-
-
-def auto_distributed() -> bool:
-    """A multi-process launch that jax.distributed.initialize() detects by itself."""
-    return (os.environ.get("PROLIP_DISTRIBUTED") == "1" or int(os.environ.get("SLURM_NTASKS", "1")) > 1
-            or "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""))
 
 
 EVAL_KEYS = ("type", "log_steps", "prefix")
@@ -838,7 +834,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if supervise.is_child():
         supervise.die_with_parent()
-    elif fv.coordinator_address or auto_distributed():  # several processes: see prolip_jax/supervise.py
+    elif fv.coordinator_address or supervise.auto_distributed():  # several processes: prolip_jax/supervise.py
         trainer = [sys.executable, "-m", "prolip_jax.train", *argv[1:]]
         sys.exit(supervise.run(trainer, fv.workdir, fv.process_id, fv.num_processes))
     logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO

@@ -32,14 +32,22 @@ SECTIONS = ("model", "loss", "optim", "data", "masking", "step", "targets", "mes
 HELP_ARGS = ("-h", "--help", "--helpshort", "--helpfull")
 
 
+def flag_value(argv: list[str], name: str) -> str | None:
+    """The value of flag `name` in `argv` as absl reads it (`--name=V`, `--name V`, one dash
+    too; the last one wins), or None: for what must be known before absl and jax are loaded."""
+    value = None
+    for i, a in enumerate(argv):
+        for dash in ("--", "-"):
+            if a == dash + name and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif a.startswith(dash + name + "="):
+                value = a.split("=", 1)[1]
+    return value
+
+
 def config_spec(argv: list[str]) -> str | None:
     """The value of --config in `argv` (`FILE[:ARGS]`), or None."""
-    for i, a in enumerate(argv):
-        if a == "--config" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--config="):
-            return a.split("=", 1)[1]
-    return None
+    return flag_value(argv, "config")
 
 
 def _config_args(tree: ast.Module) -> str:

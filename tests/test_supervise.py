@@ -143,3 +143,34 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[1].split()[0] != "Z"   # a zombie has died
     except FileNotFoundError:
         return False
+
+
+def test_the_supervisor_of_a_real_launch_loads_no_jax(tmp_path):
+    """`python -m prolip_jax.train --coordinator_address ...` becomes the supervisor before the
+    trainer's imports: its own imports (`-X importtime`, which the child does not inherit) hold
+    no jax. The child here stops at a bad --config: one line, exit 2, passed through."""
+    import os
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != supervise.CHILD_ENV}
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "prolip_jax.train", "--config", "configs/missing.py",
+                        "--workdir", str(tmp_path / "w"), "--coordinator_address=127.0.0.1:1", "--num_processes", "2",
+                        "--process_id=0"], cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True,
+                       text=True, timeout=120)
+    lines = p.stderr.splitlines()
+    imported = {line.split("|")[-1].strip() for line in lines if line.startswith("import time:")}
+    assert "prolip_jax.supervise" in imported and "jax" not in imported and "prolip_jax.step" not in imported
+    errors = [line for line in lines if not line.startswith("import time:")]
+    assert p.returncode == 2 and len(errors) == 1 and "configs/missing.py" in errors[0], p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--workdir=W", "--config", "c.py"], {"workdir": "W", "config": "c.py", "process_id": None}),
+    (["-workdir", "W", "--process_id", "1", "--process_id=2"], {"workdir": "W", "process_id": "2"}),
+    (["--workdirs=X", "--config"], {"workdir": None, "config": None}),
+])
+def test_flags_are_read_before_absl(argv, expected):
+    from prolip_jax import train_flags
+
+    for name, value in expected.items():
+        assert train_flags.flag_value(["train.py", *argv], name) == value
