@@ -34,7 +34,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from prolip_jax import library_logs, messages, paths, train_flags
+from prolip_jax import library_logs, messages, paths
 
 CHILD_ENV = "PROLIP_JAX_SUPERVISOR_PID"  # set in the child: the parent's pid
 # absl's C++ log line: severity, MMDD, time, thread, file:line]
@@ -52,24 +52,6 @@ def auto_distributed() -> bool:
     more than one task, TPU pod slices, or PROLIP_DISTRIBUTED=1 (scripts/launch_tpu_pod.sh)."""
     return (os.environ.get("PROLIP_DISTRIBUTED") == "1" or int(os.environ.get("SLURM_NTASKS", "1")) > 1
             or "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""))
-
-
-def exit_if_supervisor(argv: list[str]) -> None:
-    """`python -m prolip_jax.train` before it loads jax: in a multi-process launch (a
-    --coordinator_address, or auto_distributed) this process becomes the supervisor of the
-    trainer, run as its child with the same command, and exits with its code; a single process,
-    or the child itself, returns and trains. Read from the raw argv (train_flags.flag_value), so
-    that the supervisor never imports jax and the project (~2-3 s and a few hundred MB per
-    process); a command this misses (a flag file) is supervised by train.main after parsing."""
-    if is_child() or not (train_flags.flag_value(argv, "coordinator_address") or auto_distributed()):
-        return
-
-    def integer(name: str) -> int | None:  # a malformed one is the child's parser's to report
-        value = train_flags.flag_value(argv, name)
-        return int(value) if value is not None and value.strip().lstrip("-").isdigit() else None
-
-    sys.exit(run([sys.executable, "-m", "prolip_jax.train", *argv[1:]], train_flags.flag_value(argv, "workdir") or ".",
-                 integer("process_id"), integer("num_processes")))
 
 
 def die_with_parent() -> None:

@@ -17,7 +17,7 @@ from prolip_jax import supervise, train_flags
 
 if __name__ == "__main__":
     train_flags.exit_if_help(sys.argv, __doc__)
-    supervise.exit_if_supervisor(sys.argv)
+    train_flags.exit_if_supervisor(sys.argv)
 
 import contextlib
 import dataclasses

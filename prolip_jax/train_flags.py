@@ -1,8 +1,11 @@
-"""The trainer's flags, declared once, and its `--help`, answered without importing jax.
+"""The trainer's flags, declared once; its `--help`, and a multi-process launch's supervisor,
+both started without importing jax.
 
 `python -m prolip_jax.train --help` runs `exit_if_help` before the trainer imports jax and the
 project (seconds), so help is instant. With `--config FILE[:ARGS]` it also prints that config
-file's docstring and its args, read with `ast` (the file is not run). Standard library only.
+file's docstring and its args, read with `ast` (the file is not run). `exit_if_supervisor` turns
+the process of a multi-process launch into its trainer's supervisor (prolip_jax/supervise.py)
+from the same point. The standard library and prolip_jax.supervise only.
 """
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import ast
 import sys
 import textwrap
 from pathlib import Path
+
+from prolip_jax import supervise
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,3 +108,21 @@ def exit_if_help(argv: list[str], doc: str) -> None:
     if any(a in HELP_ARGS for a in argv[1:]):
         print(help_text(argv, doc))
         sys.exit(0)
+
+
+def exit_if_supervisor(argv: list[str]) -> None:
+    """`python -m prolip_jax.train` before it loads jax: in a multi-process launch (a
+    --coordinator_address, or supervise.auto_distributed) this process becomes the supervisor of the
+    trainer, run as its child with the same command, and exits with its code; a single process,
+    or the child itself, returns and trains. Read from the raw argv (flag_value), so
+    that the supervisor never imports jax and the project (~2-3 s and a few hundred MB per
+    process); a command this misses (a flag file) is supervised by train.main after parsing."""
+    if supervise.is_child() or not (flag_value(argv, "coordinator_address") or supervise.auto_distributed()):
+        return
+
+    def integer(name: str) -> int | None:  # a malformed one is the child's parser's to report
+        value = flag_value(argv, name)
+        return int(value) if value is not None and value.strip().lstrip("-").isdigit() else None
+
+    sys.exit(supervise.run([sys.executable, "-m", "prolip_jax.train", *argv[1:]], flag_value(argv, "workdir") or ".",
+                           integer("process_id"), integer("num_processes")))
