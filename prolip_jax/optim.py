@@ -477,10 +477,10 @@ def _adamp_projection(p, grad, perturb, axes, delta: float, eps: float):
     view; the first whose largest |cos(grad, p)| is below delta / sqrt(view size) removes the radial
     component p_n (p_n . perturb) of the update in that view, p_n = p / (|p| + eps).
 
-    Written as per-channel sums over the other axes (no transposed copies; the layer's sums are
-    the channels' summed) and one update, perturb - p (p . perturb) / (|p| + eps)^2, with the
-    chosen view's |p|: the reference's maths in fewer passes over the parameter and a smaller program than one
-    transposed copy per view (the PCME++ recipes' step is mostly optimiser: it compiles faster)."""
+    Written as per-channel sums over the other axes (the layer's sums are the channels' summed)
+    and one update, perturb - p (p . perturb) / (|p| + eps)^2 with the chosen view's |p|: the
+    reference's maths without a transposed copy of each tensor per view, a smaller program (the
+    PCME++ recipes' step is mostly optimiser)."""
     other = tuple(a for a in range(p.ndim) if a not in axes)  # summed in the channel view
     channel = {name: jnp.sum(x * y, axis=other, keepdims=True)
                for name, (x, y) in dict(pp=(p, p), gg=(grad, grad), pg=(p, grad), pu=(p, perturb)).items()}

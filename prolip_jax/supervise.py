@@ -125,6 +125,11 @@ def run(command: list[str], workdir: str, process_id: int | None, num_processes:
     return 2
 
 
+def run_trainer(argv: list[str], workdir: str, process_id: int | None, num_processes: int | None) -> int:
+    """`run` of this process's own command as the trainer: `python -m prolip_jax.train argv[1:]`."""
+    return run([sys.executable, "-m", "prolip_jax.train", *argv[1:]], workdir, process_id, num_processes)
+
+
 def _keep(held: list[str], workdir: str, process_id: int) -> str:
     """Appends the held C++ block to the process's log in a local workdir (train.log,
     train.process_<i>.log), or to a temporary file."""

@@ -835,8 +835,7 @@ def main(argv: list[str] | None = None) -> None:
     if supervise.is_child():
         supervise.die_with_parent()
     elif fv.coordinator_address or supervise.auto_distributed():  # several processes: prolip_jax/supervise.py
-        trainer = [sys.executable, "-m", "prolip_jax.train", *argv[1:]]
-        sys.exit(supervise.run(trainer, fv.workdir, fv.process_id, fv.num_processes))
+        sys.exit(supervise.run_trainer(argv, fv.workdir, fv.process_id, fv.num_processes))
     logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
     maybe_initialize_distributed(fv.coordinator_address, fv.num_processes, fv.process_id)
     watch = peers.watch(fv.workdir)  # several processes: a lost one ends the others in one line

@@ -124,5 +124,5 @@ def exit_if_supervisor(argv: list[str]) -> None:
         value = flag_value(argv, name)
         return int(value) if value is not None and value.strip().lstrip("-").isdigit() else None
 
-    sys.exit(supervise.run([sys.executable, "-m", "prolip_jax.train", *argv[1:]], flag_value(argv, "workdir") or ".",
-                           integer("process_id"), integer("num_processes")))
+    sys.exit(supervise.run_trainer(argv, flag_value(argv, "workdir") or ".", integer("process_id"),
+                                   integer("num_processes")))
