@@ -20,12 +20,15 @@ import json
 import logging
 import os
 import re
+import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
 
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+from orbax.checkpoint._src.futures import future as orbax_future
 
 from prolip_jax import library_logs, paths
 from prolip_jax.models import layout
@@ -280,6 +283,25 @@ def failed_step(error: BaseException, default: int) -> int:
     """The step whose save raised `error` (orbax names its temporary folder), else `default`."""
     found = re.findall(r"(\d+)" + re.escape(_TMP), str(error))
     return int(found[0]) if found else default
+
+
+def wait_for_failed_save(mngr: ocp.CheckpointManager, timeout_s: float = 300.0) -> None:
+    """Waits until no write of a failed save goes on. Orbax raises at the first failed write
+    while the save's other writes (each item's `_sharding` file, its metadata) run on in their
+    own threads, and tensorstore creates the folders it writes into: a partial folder removed
+    before they end comes back (orbax `future.ChainedFuture` stops at the first error; met on
+    CI as a vanishing `_sharding.__lock` under the cleanup)."""
+    try:
+        mngr.wait_until_finished()
+    except Exception:  # noqa: BLE001 - the failure being handled, raised again
+        pass
+    deadline = time.monotonic() + timeout_s
+    for t in threading.enumerate():
+        if isinstance(t, orbax_future._SignalingThread) and t is not threading.current_thread():
+            try:
+                t.join(max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - its join re-raises the write's failure, reported already
+                pass
 
 
 def remove_partial_saves(root: str | os.PathLike) -> list[str]:

@@ -576,10 +576,7 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
         unfinished = saving["step"] is not None and not (ckpt_dir / str(saving["step"])).exists()
         failed = ckpt_lib.failed_step(e, saving["step"] if unfinished else at)
         logging.getLogger("absl").error("saving checkpoint step %d failed", failed, exc_info=e)  # train.log
-        try:
-            mngr.wait_until_finished()  # nothing may still write into the folders removed below
-        except Exception:  # noqa: BLE001 - the same failure again
-            pass
+        ckpt_lib.wait_for_failed_save(mngr)  # nothing may still write into the folders removed below
         if is_chief:
             ckpt_lib.remove_partial_saves(ckpt_dir)
         state_bytes = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -162,9 +163,10 @@ def test_full_disk_during_a_save_is_one_line(run, tmp_path, capfd, monkeypatch):
     runs them in its background threads): one line naming the folder, the bytes needed and free
     and the checkpoint to resume from, exit 2; no partial folder; step 1 intact; the rerun resumes
     from it and ends bit-identical to the uninterrupted run."""
+    import asyncio
     import errno
 
-    from orbax.checkpoint._src.serialization import serialization
+    from orbax.checkpoint._src.serialization import jax_array_handlers, serialization
 
     write = serialization.async_serialize_from_host
 
@@ -173,7 +175,20 @@ def test_full_disk_during_a_save_is_one_line(run, tmp_path, capfd, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return await write(rslices, tensorstore_spec, **kwargs)
 
+    # Orbax reports the first failed write while its other writes (each item's `_sharding` file,
+    # in their own threads) still run: slowed here, they write after the failure is reported, as
+    # they did once on CI (the cleanup then met a vanishing `_sharding.__lock`).
+    write_shardings = jax_array_handlers._async_serialize_shardings
+
+    calls = []
+
+    async def slow_shardings(*args, **kwargs):
+        calls.append(1)
+        await asyncio.sleep(0.5 * (len(calls) > 1))  # the first item's, awaited before its arrays, in time
+        return await write_shardings(*args, **kwargs)
+
     monkeypatch.setattr(serialization, "async_serialize_from_host", full_disk)
+    monkeypatch.setattr(jax_array_handlers, "_async_serialize_shardings", slow_shardings)
     w = tmp_path / "w"
     capfd.readouterr()
     with pytest.raises(SystemExit) as exit_:
@@ -184,6 +199,7 @@ def test_full_disk_during_a_save_is_one_line(run, tmp_path, capfd, monkeypatch):
     assert line.startswith(f"error: could not write checkpoint step 2 to {ckpt}: the disk is full; a step needs ~")
     assert " free; the partial folder was removed. Free space (or lower --config.keep_checkpoints), then rerun " \
            f"the same command to resume from step 1 ({ckpt / '1'})" in line, line
+    time.sleep(1)  # longer than the slowed writes: none of them may come after the cleanup
     assert sorted(p.name for p in ckpt.iterdir()) == ["1"]  # no <step>.orbax-checkpoint-tmp* left
     assert checkpoint.check_step(ckpt, 1) is None
     assert "No space left on device" in (w / "train.log").read_text()  # orbax's own report, off the console
