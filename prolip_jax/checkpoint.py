@@ -285,7 +285,7 @@ def failed_step(error: BaseException, default: int) -> int:
     return int(found[0]) if found else default
 
 
-def wait_for_failed_save(mngr: ocp.CheckpointManager, timeout_s: float = 300.0) -> None:
+def wait_for_failed_save(mngr: ocp.CheckpointManager, timeout_s: float = 60.0) -> None:
     """Waits until no write of a failed save goes on. Orbax raises at the first failed write
     while the save's other writes (each item's `_sharding` file, its metadata) run on in their
     own threads, and tensorstore creates the folders it writes into: a partial folder removed
@@ -302,6 +302,10 @@ def wait_for_failed_save(mngr: ocp.CheckpointManager, timeout_s: float = 300.0) 
                 t.join(max(0.0, deadline - time.monotonic()))
             except Exception:  # noqa: BLE001 - its join re-raises the write's failure, reported already
                 pass
+    left = [t.name for t in threading.enumerate() if isinstance(t, orbax_future._SignalingThread) and t.is_alive()]
+    if left:  # a write that hangs: the cleanup goes ahead (a temporary folder is never read as a step)
+        logging.getLogger("absl").warning("after a failed save, orbax writes still running after %.0f s: %s",
+                                          timeout_s, left)
 
 
 def remove_partial_saves(root: str | os.PathLike) -> list[str]:
@@ -311,7 +315,12 @@ def remove_partial_saves(root: str | os.PathLike) -> list[str]:
     removed = []
     for p in root.iterdir() if root.is_dir() else ():
         if _TMP in p.name:
-            p.rmtree() if p.is_dir() else p.unlink()
+            for _ in range(3):  # a file that vanishes under rmtree (a write still finishing): again
+                try:
+                    p.rmtree() if p.is_dir() else p.unlink()
+                    break
+                except FileNotFoundError:
+                    continue
             removed.append(p.name)
     return removed
 
