@@ -28,12 +28,18 @@ from typing import Any, Callable, Literal, Mapping
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
-from orbax.checkpoint._src.futures import future as orbax_future
 
 from prolip_jax import library_logs, paths
 from prolip_jax.models import layout
 from prolip_jax.models.config import ProLIPConfig
 from prolip_jax.models.prolip import abstract_params
+
+# The thread class orbax runs each write of a save in (orbax 0.12 futures/future.py); private,
+# hence looked up softly: without it a failed save's cleanup does not wait for them.
+try:
+    from orbax.checkpoint._src.futures.future import _SignalingThread as _OrbaxWriteThread
+except ImportError:  # pragma: no cover - another orbax layout
+    _OrbaxWriteThread = None
 
 PARAMS = "params"
 CONFIG = "config"
@@ -285,6 +291,10 @@ def failed_step(error: BaseException, default: int) -> int:
     return int(found[0]) if found else default
 
 
+def _is_orbax_write(thread: threading.Thread) -> bool:
+    return _OrbaxWriteThread is not None and isinstance(thread, _OrbaxWriteThread)
+
+
 def wait_for_failed_save(mngr: ocp.CheckpointManager, timeout_s: float = 60.0) -> None:
     """Waits until no write of a failed save goes on. Orbax raises at the first failed write
     while the save's other writes (each item's `_sharding` file, its metadata) run on in their
@@ -297,12 +307,12 @@ def wait_for_failed_save(mngr: ocp.CheckpointManager, timeout_s: float = 60.0) -
         pass
     deadline = time.monotonic() + timeout_s
     for t in threading.enumerate():
-        if isinstance(t, orbax_future._SignalingThread) and t is not threading.current_thread():
+        if _is_orbax_write(t) and t is not threading.current_thread():
             try:
                 t.join(max(0.0, deadline - time.monotonic()))
             except Exception:  # noqa: BLE001 - its join re-raises the write's failure, reported already
                 pass
-    left = [t.name for t in threading.enumerate() if isinstance(t, orbax_future._SignalingThread) and t.is_alive()]
+    left = [t.name for t in threading.enumerate() if _is_orbax_write(t) and t.is_alive()]
     if left:  # a write that hangs: the cleanup goes ahead (a temporary folder is never read as a step)
         logging.getLogger("absl").warning("after a failed save, orbax writes still running after %.0f s: %s",
                                           timeout_s, left)
