@@ -3,8 +3,8 @@
     python benchmarks/suite_profile.py --out /tmp/suite_profile            # the whole suite
     python benchmarks/suite_profile.py --out DIR -- tests/test_step.py     # some tests only
 
-Runs pytest as `make test` does (two xdist workers, one file each at a time, the suite's compile
-cache in a fresh temporary folder) and records, for every test, the CPU seconds of the pytest
+Runs pytest as `make test` does (its arguments, read with `make -n test`: two xdist workers,
+one file each at a time; the suite's compile cache in a fresh temporary folder) and records, for every test, the CPU seconds of the pytest
 worker and of the subprocesses it waited for (trainer runs, scripts), and in every Python process
 that imports jax, the XLA compile seconds of each program (`jax.monitoring`'s backend-compile
 event, by the jitted function's name) with the test that was running. Prints and writes
@@ -23,6 +23,7 @@ import argparse
 import collections
 import csv
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -148,6 +149,20 @@ def report(out: Path, top: int = 25) -> str:
     return "\n".join(lines) + "\n"
 
 
+def make_test_args() -> list[str]:
+    """The pytest arguments of `make test`, read from the Makefile (`make -n`: printed, not run),
+    less `-q` (run_pytest adds it) and `--durations` (the profile has its own)."""
+    try:
+        dry = subprocess.run(["make", "-n", "-s", "test"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SystemExit(f"could not read make test's command ({e}); pass pytest arguments after --")
+    line = next((x for x in dry.stdout.splitlines() if " -m pytest " in x), None)
+    if line is None:
+        raise SystemExit("`make -n test` printed no pytest command; pass pytest arguments after --")
+    argv = shlex.split(line.split(" -m pytest ", 1)[1])
+    return [a for a in argv if a != "-q" and not a.startswith("--durations")]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -160,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         if out.exists() and any(out.iterdir()):
             p.error(f"--out {out} is not empty: pass a new folder (or --report-only to summarise it)")
         out.mkdir(parents=True, exist_ok=True)
-        rc = run_pytest(out, args.pytest_args or ["-n", "2", "--dist", "loadfile", "tests"])
+        rc = run_pytest(out, args.pytest_args or make_test_args())
         if rc:
             print(f"(pytest exited with status {rc}; the profile covers the tests that ran)", file=sys.stderr)
     md = report(out)

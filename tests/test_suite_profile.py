@@ -38,3 +38,14 @@ def test_report_sums_per_file_and_per_program(tmp_path):
     files = md.split("## CPU per test file")[1].split("##")[0]
     assert files.index("| tests/b.py | 32 | 30 | 20 |") < files.index("| tests/a.py | 16 | 5 | 9 |")
     assert "| jit(train_step) | 15 | 2 |" in md and "t2[x\\|y]" in md
+
+
+def test_default_arguments_are_make_tests():
+    """Read from the Makefile, not repeated: its workers and file-wise distribution and test path."""
+    import re
+
+    args = suite_profile.make_test_args()
+    line = re.search(r"-m pytest (.*)", (REPO / "Makefile").read_text()).group(1)
+    assert "--dist" in args and "loadfile" in args and args[-1] == "tests"
+    assert "-q" not in args and not any(a.startswith("--durations") for a in args)
+    assert args[args.index("-n") + 1].isdigit() and "$(TEST_WORKERS)" in line  # the variable, expanded
