@@ -4,10 +4,11 @@
     python benchmarks/suite_profile.py --out DIR -- tests/test_step.py     # some tests only
 
 Runs pytest as `make test` does (its arguments, read with `make -n test`: two xdist workers,
-one file each at a time; the suite's compile cache in a fresh temporary folder) and records, for every test, the CPU seconds of the pytest
-worker and of the subprocesses it waited for (trainer runs, scripts), and in every Python process
-that imports jax, the XLA compile seconds of each program (`jax.monitoring`'s backend-compile
-event, by the jitted function's name) with the test that was running. Prints and writes
+one file each at a time; the suite's compile cache in a fresh temporary folder) and records, for
+every test, the CPU seconds of the pytest worker and of the subprocesses it waited for (trainer
+runs, scripts), and in every Python process that imports jax, the XLA compile seconds of each
+program (`jax.monitoring`'s backend-compile event, by the jitted function's name) with the test
+that was running. Prints and writes
 DIR/profile.md: CPU per file, the slowest tests, compile seconds per program and per file.
 
 The suite's budget is CPU: `make test` keeps both cores busy, so its wall time is about its CPU

@@ -330,8 +330,9 @@ def remove_partial_saves(root: str | os.PathLike) -> list[str]:
                     p.rmtree() if p.is_dir() else p.unlink()
                     break
                 except FileNotFoundError:
-                    continue
-            removed.append(p.name)
+                    pass
+            if not p.exists():
+                removed.append(p.name)
     return removed
 
 
