@@ -23,7 +23,8 @@ def config_class(kind: str) -> type:
 
 @pytest.mark.parametrize("kind", sorted(evaluators.REGISTRY))
 def test_misspelled_key_names_the_nearest_field(kind):
-    cls = evaluators.get(kind)
+    cls = evaluators.get(kind)   # the registry's "module:class" imported here, not by `import evaluators`
+    assert cls.__module__.startswith("evaluators.") and isinstance(cls, type)
     assert dataclasses.is_dataclass(config_class(kind))
     assert config_class(kind).__dataclass_params__.frozen
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['batchsize'\].*did you mean 'batch_size'"):

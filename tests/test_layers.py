@@ -78,9 +78,21 @@ def imports(path: Path, modules: dict[str, Path]) -> list[tuple[str, int, bool]]
     return found
 
 
+def registry_imports(path: Path, modules: dict[str, Path]) -> list[tuple[str, int, bool]]:
+    """The modules a registry names as "module:class" strings (evaluators.REGISTRY, imported when
+    a config names them): edges of the graph like any import, so a cycle through them is found."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and ":" in node.value:
+            module = node.value.split(":")[0]
+            if module in modules:
+                found.append((module, node.lineno, False))
+    return found
+
+
 def graph() -> tuple[dict[str, Path], dict[str, list[tuple[str, int, bool]]]]:
     modules = project_modules()
-    return modules, {m: imports(p, modules) for m, p in modules.items()}
+    return modules, {m: imports(p, modules) + registry_imports(p, modules) for m, p in modules.items()}
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -138,6 +150,26 @@ def test_libraries_import_own_modules_at_the_top_of_the_file():
                      for m, imps in found.items() for target, line, in_function in imps
                      if in_function and not m.startswith(("scripts", "benchmarks"))})
     assert inside == []
+
+
+def test_the_registry_is_part_of_the_graph():
+    """evaluators.REGISTRY's "module:class" strings are edges: the scan still sees every evaluator."""
+    _, found = graph()
+    assert {"evaluators.zeroshot", "evaluators.retrieval", "evaluators.hierarcaps"} <= {
+        target for target, _, _ in found["evaluators"]}
+
+
+def test_the_trainer_loads_only_the_evaluators_its_config_names():
+    """`import prolip_jax.train` (every trainer process) imports no evaluator module and no
+    scipy: they load when a config's `evals` name them (evaluators.get)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, prolip_jax.train; print(sorted(m for m in sys.modules "
+            "if m.startswith(('evaluators.', 'scipy'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}, check=True).stdout
+    assert out.strip() == "[]", out
 
 
 def test_the_scan_sees_cycles_and_layers():

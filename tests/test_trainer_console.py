@@ -110,10 +110,10 @@ def test_the_evaluate_command_fits_the_run_data():
 
 
 def test_every_evaluator_declares_its_headline():
-    for kind, cls in evaluators.REGISTRY.items():
-        assert getattr(cls, "HEADLINE", ()), kind
+    for kind in evaluators.REGISTRY:
+        assert getattr(evaluators.get(kind), "HEADLINE", ()), kind
     values = {"zeroshot/object/top1_csd": 1, "zeroshot/object/unc_bin3_top1_csd": 1, "x/i2t_R@1": 1}
-    assert train.headline(evaluators.REGISTRY["zeroshot"], values) == ["zeroshot/object/top1_csd"]
+    assert train.headline(evaluators.get("zeroshot"), values) == ["zeroshot/object/top1_csd"]
 
 
 def test_few_cuts_long_lists():
