@@ -321,3 +321,37 @@ def test_attention_xla_equals_jax_and_is_cpu_only(causal, s):
     traced = jax.jit(ours).trace(q, k, v)
     cpu, tpu = (traced.lower(lowering_platforms=(p,)).as_text() for p in ("cpu", "tpu"))
     assert "0, 2, 1, 3" in cpu and "0, 2, 1, 3" not in tpu  # the heads-major transposes, CPU only
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])
+def test_the_mesh_platform_picks_the_branch_while_tracing(platform):
+    """Under an abstract mesh that names its devices' platform (the train step's, or a TPU
+    topology's in benchmarks/compile_tpu.py) dense, attention_xla and materialize_cotangent trace
+    only that platform's branch (no platform_index left to decide at lowering); on CPU the
+    gradients are bitwise those of the undecided program."""
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+    from prolip_jax.models.transformer import attention_xla, dense, materialize_cotangent
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 5, 3, 8)), jnp.float32) for _ in range(3))
+    kernel = jnp.asarray(rng.standard_normal((24, 24)), jnp.float32)
+
+    def loss(q, kernel):
+        x = materialize_cotangent(dense(q.reshape(2, 5, 24), kernel)).reshape(2, 5, 3, 8)
+        return jnp.sum(attention_xla(x, k, v, True) ** 2)
+
+    grad = jax.jit(jax.grad(loss, (0, 1)))
+    mesh = AbstractMesh((1,), ("data",), abstract_device=AbstractDevice(
+        device_kind="any", num_cores=None, platform=platform))
+    with use_abstract_mesh(mesh):
+        decided = grad.trace(q, kernel)
+    assert "platform_index" in str(grad.trace(q, kernel).jaxpr)
+    assert "platform_index" not in str(decided.jaxpr)
+    text = decided.lower(lowering_platforms=(platform,)).as_text()
+    assert ("optimization_barrier" in text) == (platform == "cpu")   # dense's CPU-only kernel gradient
+    if platform == "cpu":
+        with use_abstract_mesh(mesh):
+            got = grad(q, kernel)
+        for a, b in zip(got, grad(q, kernel)):
+            np.testing.assert_array_equal(a, b)

@@ -125,6 +125,21 @@ def _layer_norm_bwd(eps, res, dy):
 layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
+def on_platform(*args: jax.Array, cpu: Callable, default: Callable):
+    """`lax.platform_dependent(*args, cpu=cpu, default=default)`, decided while tracing when the
+    platform is known: the abstract mesh the step is traced under (`step.make_train_step` with
+    sharding rules; a TPU topology's mesh in benchmarks/compile_tpu.py on a CPU host) names its
+    devices' platform. platform_dependent traces, and under autodiff differentiates, every
+    branch, then keeps one when lowering: deciding here skips the other (~10% of a small train
+    step's trace and compile time on CPU). Where nothing names the platform (encoders traced
+    without a mesh, exports for several platforms) platform_dependent decides, as before."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    platform = getattr(device, "platform", None)
+    if platform is None:
+        return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
+    return (cpu if platform == "cpu" else default)(*args)
+
+
 @jax.custom_vjp
 def dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
     """x @ kernel over x's last axis (kernel [in, out]): every projection of the towers.
@@ -159,7 +174,7 @@ def _dense_bwd(res, g):
             return jnp.dot(barrier(x.T), g)  # [in, N] @ [N, out]
         return barrier(jnp.dot(barrier(g.T), x)).T  # ([out, N] @ [N, in])^T: a small transpose
 
-    return dx, jax.lax.platform_dependent(x, g, cpu=cpu, default=autodiff)
+    return dx, on_platform(x, g, cpu=cpu, default=autodiff)
 
 
 dense.defvjp(_dense_fwd, _dense_bwd)
@@ -209,7 +224,7 @@ def attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax
     def default(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
 
-    return jax.lax.platform_dependent(q, k, v, cpu=heads_major, default=default)
+    return on_platform(q, k, v, cpu=heads_major, default=default)
 
 
 class Attention(nn.Module):
@@ -353,7 +368,7 @@ def _materialize_bwd(_, g):
         first = g.reshape(-1)[0]
         return jax.lax.cond(first == first, lambda y: y, lambda y: jnp.full_like(y, jnp.nan), g)
 
-    return (jax.lax.platform_dependent(g, cpu=fence, default=lambda g: g),)
+    return (on_platform(g, cpu=fence, default=lambda g: g),)
 
 
 materialize_cotangent.defvjp(_materialize_fwd, _materialize_bwd)
