@@ -16,16 +16,16 @@ many images (the multiplicity ProLIP models, paper §1, §4.3). Held-out splits 
 scripts/evaluate.py with configs/eval/demo.py.
 
 Recipe: the ProLIP objective of "Probabilistic Language-Image Pre-Training" (Chun et al.) at
-demo size: the `tiny` model, batch 128, lr 2e-3, 5,000 steps, no random crop, captions weighted
+demo size: the `tiny` model, batch 128, lr 2e-3, 6,000 steps, no random crop, captions weighted
 1:1:2:8 over levels 0..3, VIB beta 0.1 and alpha_1 1e-3 instead of the paper's 1e-4 and 1e-7.
-Expected time: the whole `make demo` (train + evaluation) about 14 min on 2 vCPUs, one CPU
-device. Why each choice (the held-out measurements that made them): docs/recipes.md, "demo".
+Expected time: the whole `make demo` (train + evaluation) about 13 min on 2 vCPUs, one CPU
+device (12 min 37 s measured, docs/demo.md). Why each choice (the held-out measurements that made them): docs/recipes.md, "demo".
 """
 import ml_collections as mlc
 
 from prolip_jax import config_args
 
-STEPS = 5000
+STEPS = 6000
 SMOKE_STEPS = 300  # clears scripts/demo.py's SMOKE_TARGETS by ~2x (docs/recipes.md, "demo")
 IMAGE_SIZE = 32
 LEVEL_WEIGHTS = (1, 1, 2, 8)
