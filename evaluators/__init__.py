@@ -29,7 +29,8 @@ class Evaluator(Protocol):
 
 # "module:class", imported by `get` when a config names it (big_vision's evaluators are loaded
 # the same way): a training run loads only the evaluators it uses, not all of them and their
-# dependencies (scipy, the caption metrics): ~1 s less start-up for every trainer process.
+# dependencies (scipy, the caption metrics): `import prolip_jax.train` 2.45 -> 1.9 CPU s
+# (docs/performance.md, "The eighth session").
 # A class may stand in for a string (tests register stand-ins).
 REGISTRY: dict[str, str | type] = {
     "zeroshot": "evaluators.zeroshot:Evaluator",

@@ -4,6 +4,8 @@ configs (configs/eval/*.py) and the trainer configs' `evals` sections use is a f
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -77,3 +79,13 @@ def test_every_eval_config_key_is_a_field(spec):
             schema.parse(config_class(ecfg["type"]), section, f"config.evals.{name}")
         except ValueError as e:   # a template may leave a data set's path empty: only that
             assert "needs" in str(e) and "unknown" not in str(e), (spec, name, e)
+
+
+def test_the_trainer_loads_only_the_evaluators_its_config_names():
+    """`import prolip_jax.train` (every trainer process) imports no evaluator module and no
+    scipy: `evaluators.get` imports the one a config's `evals` names."""
+    code = ("import sys, prolip_jax.train; print(sorted(m for m in sys.modules "
+            "if m.startswith(('evaluators.', 'scipy'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"), check=True).stdout
+    assert out.strip() == "[]", out
