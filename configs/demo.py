@@ -19,7 +19,8 @@ Recipe: the ProLIP objective of "Probabilistic Language-Image Pre-Training" (Chu
 demo size: the `tiny` model, batch 128, lr 2e-3, 6,000 steps, no random crop, captions weighted
 1:1:2:8 over levels 0..3, VIB beta 0.1 and alpha_1 1e-3 instead of the paper's 1e-4 and 1e-7.
 Expected time: the whole `make demo` (train + evaluation) about 13 min on 2 vCPUs, one CPU
-device (12 min 37 s measured, docs/demo.md). Why each choice (the held-out measurements that made them): docs/recipes.md, "demo".
+device (docs/demo.md). Why each choice (the held-out measurements that made them):
+docs/recipes.md, "demo".
 """
 import ml_collections as mlc
 
