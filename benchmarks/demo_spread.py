@@ -7,7 +7,7 @@ Runs `scripts/demo.py` once per seed in its own process and workdir (OUT/seed<N>
 reuses finished seeds, as `make demo` does), reads each run's summary table (OUT/seed<N>/
 summary.md) and writes OUT/spread.md and OUT/spread.json: per headline, the mean, the half
 range (max - min) / 2 printed as "±", and every seed's value. A headline whose half range is
-above --max-spread points (default 2; for a ratio, that percentage of its mean) is flagged, and with --check makes the exit status 1.
+above --max-spread points (default 2) is flagged, and with --check makes the exit status 1.
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-_VALUE = re.compile(r"^(-?[0-9.]+)(%|x)$")
+_VALUE = re.compile(r"^(-?[0-9.]+)%$")
 
 
-def read_summary(path: Path) -> dict[str, tuple[float, str]]:
-    """summary.md's table -> {label: (value, unit)} for every row with a number ('98.3%', '1.86x')."""
+def read_summary(path: Path) -> dict[str, float]:
+    """summary.md's table -> {label: value in %} for every row with a number ('98.3%')."""
     rows = {}
     for line in path.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -32,23 +32,19 @@ def read_summary(path: Path) -> dict[str, tuple[float, str]]:
             continue
         m = _VALUE.match(cells[1])
         if m:
-            rows[cells[0]] = (float(m.group(1)), m.group(2))
+            rows[cells[0]] = float(m.group(1))
     return rows
 
 
-def spread(per_seed: dict[int, dict[str, tuple[float, str]]], max_spread: float) -> list[dict]:
-    """One row per label present in every seed: mean, half range, values, within max_spread."""
+def spread(per_seed: dict[int, dict[str, float]], max_spread: float) -> list[dict]:
+    """One row per label present in every seed: mean, half range, values, within max_spread points."""
     labels = [k for k in next(iter(per_seed.values())) if all(k in r for r in per_seed.values())]
     out = []
     for label in labels:
-        values = [per_seed[s][label][0] for s in sorted(per_seed)]
-        unit = next(iter(per_seed.values()))[label][1]
+        values = [per_seed[s][label] for s in sorted(per_seed)]
         half = (max(values) - min(values)) / 2
-        # Points for percentages; a ratio ('x') has no points: the same number read as percent of its mean.
-        mean = sum(values) / len(values)
-        limit = max_spread if unit == "%" else max_spread / 100 * abs(mean)
-        out.append(dict(label=label, unit=unit, mean=mean, half_range=half,
-                        values=values, within=half <= limit))
+        out.append(dict(label=label, mean=sum(values) / len(values), half_range=half,
+                        values=values, within=half <= max_spread))
     return out
 
 
@@ -58,10 +54,8 @@ def markdown(rows: list[dict], seeds: list[int], config: str) -> str:
              "| metric | value | " + " | ".join(f"seed {s}" for s in seeds) + " | spread ok |",
              "|---|---|" + "---|" * len(seeds) + "---|"]
     for r in rows:
-        fmt = "{:.1f}%" if r["unit"] == "%" else "{:.2f}x"
-        pm = f"{r['half_range']:.1f}" if r["unit"] == "%" else f"{r['half_range']:.2f}"
-        lines.append(f"| {r['label']} | {fmt.format(r['mean'])} ± {pm} | "
-                     + " | ".join(fmt.format(v) for v in r["values"])
+        lines.append(f"| {r['label']} | {r['mean']:.1f}% ± {r['half_range']:.1f} | "
+                     + " | ".join(f"{v:.1f}%" for v in r["values"])
                      + f" | {'yes' if r['within'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 

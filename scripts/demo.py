@@ -32,43 +32,46 @@ if str(ROOT) not in sys.path:  # `python scripts/demo.py` from anywhere: find ev
 N_CLASSES = 36  # zero-shot "object" task: 6 colours x 6 shapes
 N_RETRIEVAL = 500  # retrieval split: one image per distinct level-3 caption
 
-# (label, results.json key or a function of the results, target, chance/meaning, unit): "%" for
-# every accuracy, recall and rate (the evaluators' unit, docs/metrics.md), "x" for a ratio.
+# (label, results.json key, target, chance/meaning): every value is an accuracy, recall or rate
+# in % (the evaluators' unit, docs/metrics.md), so every headline's spread over seeds is in points.
 Z = "zeroshot/object/top1_csd"
 R = "retrieval/demo/csd/{}_R@{}"
 U = "uncertainty/demo/{}"
 
 
-def _targets(zs: float, r_at: int, r_min: float, order: float, inclusion: float) -> list[tuple]:
+def _targets(zs: float, r_at: int, r_min: float, below: float, order: float, inclusion: float) -> list[tuple]:
     return [
-        ("zero-shot top-1 (36 classes, CSD)", Z, zs, f"chance {100 / N_CLASSES:.1f}%", "%"),
+        ("zero-shot top-1 (36 classes, CSD)", Z, zs, f"chance {100 / N_CLASSES:.1f}%"),
         (f"image->text R@{r_at} (500 pairs, CSD)", R.format("i2t", r_at), r_min,
-         f"chance {100 * r_at / N_RETRIEVAL:.1f}%", "%"),
+         f"chance {100 * r_at / N_RETRIEVAL:.1f}%"),
         (f"text->image R@{r_at} (500 pairs, CSD)", R.format("t2i", r_at), r_min,
-         f"chance {100 * r_at / N_RETRIEVAL:.1f}%", "%"),
-        ("mean text sigma^2 / mean image sigma^2",
-         lambda r: r[U.format("text_sigma2_trace_mean")] / r[U.format("image_sigma2_trace_mean")], 1.0,
-         "texts more uncertain: > 1", "x"),
+         f"chance {100 * r_at / N_RETRIEVAL:.1f}%"),
+        # The ProLIP paper's Fig. 5 (image vs text uncertainty): per pair, not a ratio of means,
+        # whose size moves with the seed (1.53-1.75x over seeds 0-2, docs/demo.md).
+        ("image less uncertain than its caption", U.format("image_below_text_rate"), below,
+         "of 500 pairs (0% untrained)"),
         ("level 0 more uncertain than level 3", U.format("order_level0_gt_level3_rate"), order,
-         "of 500 hierarchies", "%"),
+         "of 500 hierarchies"),
         ("masked image includes image (H > 0)", U.format("inclusion_image_in_masked_rate"),
-         inclusion, "of 500 images", "%"),
+         inclusion, "of 500 images"),
         ("masked caption includes caption (H > 0)", U.format("inclusion_text_in_masked_rate"),
-         inclusion, "of 500 captions", "%"),
+         inclusion, "of 500 captions"),
     ]
 
 
-# The issue's targets for `make demo` (held-out splits).
-TARGETS = _targets(zs=80.0, r_at=1, r_min=50.0, order=90.0, inclusion=70.0)
+# The targets for `make demo` (held-out splits). The model after one step (docs/demo.md,
+# "Untrained"): image below its caption 0%, inclusion 43.6% (images) / 77.0% (captions): the
+# inclusion targets are above both, the trained runs' 96.8-100%.
+TARGETS = _targets(zs=80.0, r_at=1, r_min=50.0, below=90.0, order=90.0, inclusion=90.0)
 # Targets the current recipe is known to miss, with why, printed on the target's own line when
 # it is missed (docs/demo.md has the measurements).
 KNOWN_MISSES = {
     "level 0 more uncertain than level 3": "known: one caption true of every image is calibrated "
     "by its mean, not sigma^2 (docs/demo.md)",
 }
-# The CI smoke run (a few hundred steps): loose, but an untrained model fails every line
-# (chance: 2.8% zero-shot, 2% R@10; an untrained model has no sigma^2 ordering to speak of).
-SMOKE_TARGETS = _targets(zs=12.0, r_at=10, r_min=12.0, order=0.0, inclusion=70.0)
+# The CI smoke run (a few hundred steps): loose, but an untrained model fails every checked
+# line (chance: 2.8% zero-shot, 2% R@10; the one-step model's rates above).
+SMOKE_TARGETS = _targets(zs=12.0, r_at=10, r_min=12.0, below=60.0, order=0.0, inclusion=85.0)
 
 
 def _load_module(path: Path, name: str):
@@ -93,27 +96,12 @@ def summarize(results: dict, targets: list[tuple], known: dict[str, str] | None 
     known = KNOWN_MISSES if known is None else known
     lines = ["| metric | value | target | note |", "|---|---|---|---|"]
     ok_all = True
-    for label, key, target, note, unit in targets:
-        try:
-            value = key(results) if callable(key) else results[key]
-        except (KeyError, TypeError, ZeroDivisionError):
-            value = None
-        if value is None:
-            ok = False
-        elif target <= 0:  # reported only
-            ok = True
-        else:
-            ok = value > target if unit == "x" else value >= target
+    for label, key, target, note in targets:
+        value = results.get(key)
+        ok = value is not None and (target <= 0 or value >= target)  # target 0: reported only
         ok_all &= ok
-        if value is None:
-            shown = "missing"
-        elif unit == "%":  # already in % (every evaluator's unit for accuracies and rates)
-            shown = f"{value:.1f}%"
-        else:
-            shown = f"{value:.2f}x"
-        want = {"%": f">= {target:.0f}%", "x": f"> {target:.0f}x"}[unit]
-        if target <= 0:
-            want = "reported"
+        shown = "missing" if value is None else f"{value:.1f}%"
+        want = "reported" if target <= 0 else f">= {target:.0f}%"
         verdict = "ok" if ok else f"MISSED ({known[label]})" if label in known else "MISSED"
         lines.append(f"| {label} | {shown} | {want} {verdict} | {note} |")
     return lines, ok_all

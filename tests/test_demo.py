@@ -51,15 +51,14 @@ def _run_demo(workdir: Path, cache: Path) -> subprocess.CompletedProcess:
 def test_summary_reports_missed_targets():
     demo = _demo_module()
     results = {demo.Z: 90.0, "retrieval/demo/csd/i2t_R@1": 60.0, "retrieval/demo/csd/t2i_R@1": 40.0,
-               "uncertainty/demo/text_sigma2_trace_mean": 2.0, "uncertainty/demo/image_sigma2_trace_mean": 1.0,
-               "uncertainty/demo/order_level0_gt_level3_rate": 95.0,
+               "uncertainty/demo/image_below_text_rate": 100.0, "uncertainty/demo/order_level0_gt_level3_rate": 95.0,
                "uncertainty/demo/inclusion_image_in_masked_rate": 100.0}
     lines, ok = demo.summarize(results, demo.TARGETS)
     assert not ok
     by_label = {line.split(" | ")[0][2:]: line for line in lines[2:]}
     assert "90.0% | >= 80% ok" in by_label["zero-shot top-1 (36 classes, CSD)"]
     assert "40.0% | >= 50% MISSED" in by_label["text->image R@1 (500 pairs, CSD)"]
-    assert "2.00x | > 1x ok" in by_label["mean text sigma^2 / mean image sigma^2"]
+    assert "100.0% | >= 90% ok" in by_label["image less uncertain than its caption"]
     assert "missing" in by_label["masked caption includes caption (H > 0)"]  # absent key: not met
     # A known miss says so in its own line; an unknown one does not.
     lines, _ = demo.summarize({**results, "uncertainty/demo/order_level0_gt_level3_rate": 0.0}, demo.TARGETS,
@@ -67,18 +66,20 @@ def test_summary_reports_missed_targets():
     assert [line for line in lines if "MISSED (known: why)" in line][0].startswith("| level 0 more uncertain")
     assert "40.0% | >= 50% MISSED |" in " ".join(lines)
     results["retrieval/demo/csd/t2i_R@1"] = 55.0
-    results["uncertainty/demo/inclusion_text_in_masked_rate"] = 80.0
+    results["uncertainty/demo/inclusion_text_in_masked_rate"] = 95.0
     assert demo.summarize(results, demo.TARGETS)[1]
 
 
 def test_smoke_targets_fail_at_chance():
-    """The smoke thresholds are above what a model that learned nothing gets."""
+    """The smoke thresholds are above what a model that learned nothing gets: chance for the
+    accuracies, and for the rates `make demo`'s model after one step (measured, docs/demo.md)
+    or 50%, whichever is higher."""
     demo = _demo_module()
     chance = {demo.Z: 100 / 36, "retrieval/demo/csd/i2t_R@10": 2.0, "retrieval/demo/csd/t2i_R@10": 2.0,
-              "uncertainty/demo/text_sigma2_trace_mean": 1.0, "uncertainty/demo/image_sigma2_trace_mean": 1.0,
-              "uncertainty/demo/order_level0_gt_level3_rate": 50.0,
-              "uncertainty/demo/inclusion_image_in_masked_rate": 50.0,
-              "uncertainty/demo/inclusion_text_in_masked_rate": 50.0}
+              "uncertainty/demo/image_below_text_rate": 50.0,     # one step: 0.0
+              "uncertainty/demo/order_level0_gt_level3_rate": 89.2,
+              "uncertainty/demo/inclusion_image_in_masked_rate": 50.0,   # one step: 43.6
+              "uncertainty/demo/inclusion_text_in_masked_rate": 77.0}
     lines, ok = demo.summarize(chance, demo.SMOKE_TARGETS)
     assert not ok
     checked = [t for t in demo.SMOKE_TARGETS if t[2] > 0]  # the rest are reported only
