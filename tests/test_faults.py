@@ -27,9 +27,7 @@ import evaluate  # noqa: E402
 
 STEPS = 3
 # The same run as `config()` through the command line (tests of main(): the one-line errors).
-CLI = ["--config", str(ROOT / "configs" / "tiny.py") + f":data=random,steps={STEPS}",
-       "--config.model.variant=micro", "--config.model.attention_impl=xla", "--config.batch_size=16",
-       "--config.masking.group=2", "--config.masking.fraction=0.5", "--config.data.image_size=16",
+CLI = ["--config", str(ROOT / "configs" / "tiny.py") + f":data=random,steps={STEPS},size=micro",
        "--config.log_steps=1", "--config.checkpoint_steps=1"]
 
 
@@ -374,7 +372,7 @@ def test_a_lost_process_ends_the_other_in_one_line(tmp_path):
     def start(*extra):
         port = _free_port()
         return [subprocess.Popen(
-            [sys.executable, "-m", "prolip_jax.train", "--config", "configs/tiny.py:data=random,steps=1000",
+            [sys.executable, "-m", "prolip_jax.train", "--config", "configs/tiny.py:data=random,steps=1000,size=micro",
              "--workdir", str(tmp_path / "w"), *ARGS, "--config.checkpoint_steps=2", *extra,
              "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i)],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]

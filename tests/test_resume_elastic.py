@@ -127,7 +127,7 @@ def test_trainer_resumes_its_data_on_2_then_1_then_2_processes(tmp_path):
     args = [*ARGS, "--config.data.demo.num_train=64", "--config.checkpoint_steps=100",
             "--workdir", str(tmp_path / "w")]
 
-    train = [sys.executable, "-m", "prolip_jax.train", "--config", "configs/tiny.py:steps=6,data=demo", *args]
+    train = [sys.executable, "-m", "prolip_jax.train", "--config", "configs/tiny.py:steps=6,data=demo,size=micro", *args]
 
     def run(steps, processes):
         # One program for every run (total_steps 6, --stop_at_step before it), so the last run

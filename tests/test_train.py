@@ -25,12 +25,9 @@ def tiny_config(tmp_path, **overrides):
     spec = importlib.util.spec_from_file_location("tiny", Path(__file__).parents[1] / "configs" / "tiny.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    c = module.get_config(f"steps={2 * N}")
-    c.model.variant = "micro"  # 16 px, patch 8, context 8, vocab 64 (the demo vocab fits)
-    c.model.attention_impl = "xla"
-    c.batch_size = 16  # 2 rows per data shard on 8 devices, one of them masked:
-    c.masking.group, c.masking.fraction = 2, 0.5
-    c.data.image_size = 16
+    # The micro towers (16 px, patch 8, context 8, vocab 64: the demo vocab fits), batch 16: 2
+    # rows per data shard on 8 devices, one of them masked.
+    c = module.get_config(f"steps={2 * N},size=micro")
     c.data.demo = dict(image_size=16, num_train=200, num_zeroshot=36, num_retrieval=20, num_levels=10,
                        cache_dir=str(tmp_path / "demo_cache"))
     c.log_steps = 1

@@ -21,9 +21,7 @@ from conftest import xla_flags
 from prolip_jax import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-ARGS = ["--config.model.variant=micro",
-        "--config.model.attention_impl=xla", "--config.batch_size=16", "--config.data.image_size=16",
-        "--config.masking.group=2", "--config.masking.fraction=0.5", "--config.log_steps=1"]
+ARGS = ["--config.log_steps=1"]  # with configs/tiny.py:size=micro (the micro towers, batch 16)
 
 
 def _env(devices: int) -> dict:
@@ -69,7 +67,7 @@ def _eval_config(tmp_path) -> str:
 
 
 def test_two_processes_equal_one(tmp_path):
-    train = [sys.executable, "-m", "prolip_jax.train", "--config", _eval_config(tmp_path) + ":steps=3,data=random"]
+    train = [sys.executable, "-m", "prolip_jax.train", "--config", _eval_config(tmp_path) + ":steps=3,data=random,size=micro"]
     port = _free_port()
     single = subprocess.run(train + ARGS + ["--workdir", str(tmp_path / "single")], cwd=ROOT, env=_env(8),
                             capture_output=True, text=True, timeout=600)
@@ -106,7 +104,7 @@ def test_two_processes_equal_one(tmp_path):
 
 
 def test_sigterm_saves_and_exits_cleanly(tmp_path):
-    args = [sys.executable, "-m", "prolip_jax.train", "--config", "configs/tiny.py:steps=100000,data=random", *ARGS,
+    args = [sys.executable, "-m", "prolip_jax.train", "--config", "configs/tiny.py:steps=100000,data=random,size=micro", *ARGS,
             "--workdir", str(tmp_path / "w")]
     proc = subprocess.Popen(args, cwd=ROOT, env=_env(8), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
