@@ -27,7 +27,7 @@ import ml_collections as mlc
 from prolip_jax import config_args
 
 STEPS = 6000
-SMOKE_STEPS = 300  # clears scripts/demo.py's SMOKE_TARGETS by ~2x (docs/recipes.md, "demo")
+SMOKE_STEPS = 300  # clears scripts/demo.py's SMOKE_TARGETS, the accuracies by ~2x (docs/recipes.md, "demo")
 IMAGE_SIZE = 32
 LEVEL_WEIGHTS = (1, 1, 2, 8)
 VIB_BETA = 0.1
