@@ -9,9 +9,8 @@ Config args (`--config configs/tiny.py:steps=50,data=random`):
     steps=N        total training steps (default 200)
     data=demo      the generated demo dataset (default; generated on first use, ~30 s)
     data=random    random images/tokens (no files at all: for smoke tests and benchmarks)
-    size=micro     the `micro` towers (16 px, one block each, batch 16): a run of the trainer
-                   whose model is not what is tested (multi-process tests, the GPU plan at
-                   test size), compiled in about half the time of `tiny`
+    size=micro     the `micro` towers (16 px, one block each, context 8, batch 16): a run of
+                   the trainer whose model is not what is tested (the multi-process tests)
 
 Any field can be overridden: `--config.batch_size=64 --config.optim.lr=1e-3`.
 Expected run time on 2 CPU cores: about 0.2 s per step (8 fake devices) after a ~30-60 s compile.

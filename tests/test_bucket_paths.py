@@ -178,11 +178,8 @@ def test_a_training_workdir_in_a_bucket(bucket, monkeypatch):
     spec = importlib.util.spec_from_file_location("tiny", Path(__file__).parents[1] / "configs" / "tiny.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    c = module.get_config("steps=2,data=random")
-    c.model.variant = "micro"
-    c.model.attention_impl = "xla"
-    c.batch_size, c.data.image_size, c.log_steps = 16, 16, 1
-    c.masking.group, c.masking.fraction = 2, 0.5
+    c = module.get_config("steps=2,data=random,size=micro")
+    c.log_steps = 1
 
     # orbax's arrays go through tensorstore's own GCS driver: hand the manager the local name of
     # the same folder (on a pod, orbax writes gs:// itself).

@@ -396,13 +396,11 @@ def test_trainer_feeds_image_id_and_writes_the_noisy_pairs(coco, spm_model, tmp_
     from prolip_jax import sharding, train
     from prolip_jax.data import build_train_data
 
-    args = ["prolip_jax.train", "--config", "configs/tiny.py", "--workdir", str(tmp_path / "w"),
+    args = ["prolip_jax.train", "--config", "configs/tiny.py:size=micro", "--workdir", str(tmp_path / "w"),
             "--config.data.source=coco_karpathy", f"--config.data.caption_file={coco[0]}",
             f"--config.data.image_root={coco[1]}", "--config.data.noise_ratio=0.25",
-            f"--config.data.tokenizer.path={spm_model}", "--config.data.tokenizer.context_length=8",
-            "--config.model.variant=micro", "--config.data.image_size=16", "--config.batch_size=16",
-            "--config.targets.positives=image_id", "--config.masking.mask_token_id=3",
-            "--config.masking.group=2", "--config.masking.fraction=0.5"]
+            f"--config.data.tokenizer.path={spm_model}",
+            "--config.targets.positives=image_id", "--config.masking.mask_token_id=3"]
     config, fv = train.parse_command_line(args)
     tc = train.parse_config(config)
     data = build_train_data(tc, train.model_config(tc), train.step_config(tc))

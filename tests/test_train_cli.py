@@ -26,6 +26,7 @@ def _run_main(args, workdir):
 @pytest.mark.parametrize("args, expected", [
     ([f"--config={ROOT}/configs/tinyy.py"], r"config file .*tinyy\.py does not exist \(.*configs/ has: .*tiny\.py"),
     (["--config", TINY + ",stepz=3"], r"unknown config arg 'stepz'; known: \['data', 'size', 'steps'\]"),
+    (["--config", TINY + ",size=huge"], r"size='huge' is not 'tiny' or 'micro'"),
     (["--config", TINY, "--config.model.dtype=bfloat61"],
      r"config\.model\.dtype='bfloat61' is not one of \('float32', 'bfloat16', 'float16'\)"),
     (["--config", TINY, "--config.data.source=tarr"], r"config\.data\.source='tarr' is not one of \(.*'tar'.*\)"),
