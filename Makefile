@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 # tests/conftest.py sets XLA_FLAGS (eight fake CPU devices, so sharding tests run anywhere;
-# LLVM -O0) when unset: a caller's own XLA_FLAGS are dropped here.
+# LLVM -O0, the older fusion emitters) when unset: a caller's own XLA_FLAGS are dropped here.
 TEST_ENV := env -u XLA_FLAGS JAX_PLATFORMS=cpu
 # pytest-xdist processes, a test file each at a time: CI's machine has 2 cores.
 TEST_WORKERS ?= 2
