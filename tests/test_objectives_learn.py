@@ -34,13 +34,17 @@ def _script():
 
 # (steps, batch) where not the script's 300 x 64: O((B J)^3) relaxed ranks per step.
 RANKING = {"pcme_daa": (150, 32), "vse_daa": (150, 32), "smooth_ap": (150, 32)}
+# Compiled optimised (conftest.OPTIMIZED): the steps whose run time outweighs their compile
+# (smooth_ap 75 CPU s at the suite's -O0 against 17 s; PCME's J samples 15.5 against 12.6). The
+# others take fewer CPU seconds at the suite's settings (prolip 10.6 against 16.2) and score the same.
+RUN_BOUND = {"pcme", *RANKING}
 
 
 @pytest.mark.parametrize("objective", sorted(objectives.REGISTRY))
 def test_objective_learns_the_synthetic_classes(objective):
     steps, batch = RANKING.get(objective, (300, 64))
-    # Hundreds of steps: the step is compiled optimised, not at the suite's -O0 (conftest.py).
-    r = _script().train_and_evaluate(objective, steps=steps, seed=0, batch=batch, compiler_options=OPTIMIZED)
+    r = _script().train_and_evaluate(objective, steps=steps, seed=0, batch=batch,
+                                     compiler_options=OPTIMIZED if objective in RUN_BOUND else None)
     assert r["zeroshot_top1"] >= 0.5 and r["t2i_R@1"] >= 0.5, r
     if objective == "prolip":  # training raised the general caption's σ² above the specific ones'
         key = "colour_only_vs_full_caption_sigma2"
