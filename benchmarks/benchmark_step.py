@@ -43,7 +43,9 @@ def load_config(spec: str):
     module_spec = importlib.util.spec_from_file_location("config", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    return module.get_config(arg or None)
+    from prolip_jax.train import with_defaults  # the sections a config may leave out, as the trainer fills them
+
+    return with_defaults(module.get_config(arg or None))
 
 
 def set_field(config, assignment: str) -> None:
@@ -173,6 +175,8 @@ class Bench:
         self.mcfg = model_config(tc)
         self.mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
         self.scfg = step_config(tc)
+        # Recipes whose positives are images' other captions read batch["image_id"] (prolip_jax/targets.py).
+        self.image_ids = tc.targets.positives in ("image_id", "both")
         self.model = build_model(tc, self.mcfg)
         self.tx, self.schedule = optim.make_optimizer(tc.optim, config.total_steps)
         self.state, self.state_sh = None, None
@@ -188,9 +192,11 @@ class Bench:
     def batch(self, b: int) -> dict[str, jax.Array]:
         s, length = self.mcfg.vision.image_size, self.mcfg.text.context_length
         rng = np.random.default_rng(0)
-        return self.sharding.global_batch({
-            "image": rng.integers(0, 256, (b, s, s, 3), dtype=np.uint8),
-            "text": rng.integers(2, self.mcfg.text.vocab_size, (b, length), dtype=np.int32)}, self.mesh)
+        batch = {"image": rng.integers(0, 256, (b, s, s, 3), dtype=np.uint8),
+                 "text": rng.integers(2, self.mcfg.text.vocab_size, (b, length), dtype=np.int32)}
+        if self.image_ids:
+            batch["image_id"] = np.arange(b, dtype=np.int32) // 2  # two captions per image
+        return self.sharding.global_batch(batch, self.mesh)
 
     def compile(self, b: int, batch: dict) -> tuple[Any, float, float]:
         """(compiled step, lower seconds, compile seconds) for global batch b."""
