@@ -175,8 +175,6 @@ class Bench:
         self.mcfg = model_config(tc)
         self.mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
         self.scfg = step_config(tc)
-        # Recipes whose positives are images' other captions read batch["image_id"] (prolip_jax/targets.py).
-        self.image_ids = tc.targets.positives in ("image_id", "both")
         self.model = build_model(tc, self.mcfg)
         self.tx, self.schedule = optim.make_optimizer(tc.optim, config.total_steps)
         self.state, self.state_sh = None, None
@@ -194,7 +192,7 @@ class Bench:
         rng = np.random.default_rng(0)
         batch = {"image": rng.integers(0, 256, (b, s, s, 3), dtype=np.uint8),
                  "text": rng.integers(2, self.mcfg.text.vocab_size, (b, length), dtype=np.int32)}
-        if self.image_ids:
+        if self.scfg.targets.needs_image_id:
             batch["image_id"] = np.arange(b, dtype=np.int32) // 2  # two captions per image
         return self.sharding.global_batch(batch, self.mesh)
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 POSITIVES = ("diagonal", "same_caption", "image_id", "both")
+BY_IMAGE_ID = ("image_id", "both")  # the positives read from batch["image_id"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,11 @@ class TargetsConfig:
         return self.positives == "diagonal" and self.mix_fraction == 0.0
 
     @property
+    def needs_image_id(self) -> bool:
+        """The batch must carry `image_id` (several captions of one image)."""
+        return self.positives in BY_IMAGE_ID
+
+    @property
     def soft(self) -> bool:
         return self.mix_fraction > 0.0
 
@@ -59,7 +65,7 @@ def positive_matrix(tokens: jax.Array, image_ids: jax.Array | None, positives: s
     pos = jnp.eye(b, dtype=bool)
     if positives in ("same_caption", "both"):
         pos = pos | jnp.all(tokens[:, None, :] == tokens[None, :, :], axis=-1)
-    if positives in ("image_id", "both"):
+    if positives in BY_IMAGE_ID:
         if image_ids is None:
             raise ValueError("config.targets.positives needs batch['image_id'], which this data source "
                              "does not provide; use 'diagonal' or 'same_caption'")
