@@ -1,17 +1,17 @@
 """The speed levers beside PyTorch on one GPU, in one command that fits a lent machine's call.
 
-    python benchmarks/gpu_speed.py --out OUT [--deadline 520] [--only NAME ...] [--tiny]
+    python benchmarks/gpu_speed.py --out OUT [--deadline 520] [--only NAME ...] [--sizes 256 512] [--tiny]
 
 Every row is a process of its own, run one after another alone on the GPU, most wanted first:
 the baseline (the config as shipped) and all levers of LEVERS together at 256 samples per
 device, the PyTorch step of the same model and loss (`benchmarks/torch_step.py`,
 torch.compile), each lever alone, the levers that helped alone together (when that is not all of
-them), then the baseline, all levers and PyTorch at 512. Each JAX row
-is `benchmarks/benchmark_step.py` (train state, compile, a warm-up step, `--steps` timed steps);
-a row that would start after `--deadline` is recorded as not run, and `--only` picks rows (by
-name, e.g. `--only flat_tokens cast_once`) for a second call. Then the fastest JAX row at 256 is
-profiled, its compiled step loaded from the run's compile cache (`profile_breakdown.py` ->
-breakdown.txt). On an H100 a JAX row takes ~80 s (a minute of it the compile) and the PyTorch
+them); then the fastest JAX row at 256 is profiled, its compiled step loaded from the run's
+compile cache (`profile_breakdown.py` -> breakdown.txt); then the baseline, all levers and
+PyTorch at 512. Each JAX row is `benchmarks/benchmark_step.py` (train state, compile, a warm-up
+step, `--steps` timed steps); every process ends by `--deadline` (one that would start in its
+last 15 s is recorded as not run), and `--only` picks rows (by name, e.g. `--only flat_tokens
+cast_once`) for a second call. On an H100 a JAX row takes ~80 s (a minute of it the compile) and the PyTorch
 step ~150 s (its torch.compile), so one 9-minute call holds about five rows.
 
 Compiling every row at once first (16 CPU cores) was tried on 2026-11-26: eight B/16 compiles
@@ -94,13 +94,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--deadline", type=float, default=520, help="seconds after which nothing new starts")
     p.add_argument("--tiny", action="store_true", help="the plan at test size on CPU")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--sizes", type=int, nargs="+", default=[256, 512], metavar="PER_DEVICE_BATCH",
+                   help="per-device batches, the first one's rows (and profile) first")
     p.add_argument("--only", nargs="+", default=None, metavar="NAME",
                    help="rows to run: baseline, all levers, PyTorch, a lever's name (every size)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = "configs/tiny.py:data=random" if args.tiny else "configs/prolip_b16_datacomp.py"
-    sizes = (8,) if args.tiny else (256, 512)
+    sizes = (8,) if args.tiny else tuple(args.sizes)
     steps = 1 if args.tiny else args.steps
     tmp = Path(tempfile.mkdtemp(prefix="gpu_speed_"))
     r = Runner(out, tmp, timeout=600 if args.tiny else 300, deadline=args.deadline)
@@ -123,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--only: unknown row(s) {sorted(names - known)}; choose from {sorted(known)}")
         order = [(k, w) for k, w in order if (w["name"] if k == "jax" else "pytorch") in names]
     last_lever = max((k for k, (kind, w) in enumerate(order) if kind == "jax" and w["name"] in LEVERS), default=None)
+    first_size_done = max((k for k, (kind, w) in enumerate(order)
+                           if (w["batch"] if kind == "jax" else w) == sizes[0]), default=-1)
     i = 0
     while i < len(order):
         kind, what = order[i]
@@ -141,26 +145,34 @@ def main(argv: list[str] | None = None) -> None:
             if best is not None and (set(best["sets"]), best["xla"]) != (set(rows[1]["sets"]), rows[1]["xla"]):
                 order.insert(i + 1, ("jax", best))
                 rows.append(best)
+                first_size_done += 1
+        if i == first_size_done:  # the first size's rows done: its fastest profiled before the next size
+            profile(r, config, rows, timed, sizes[0], out, results)
         i += 1
-
-    # ---- the fastest JAX variant at the first size, profiled -----------------------------------
-    ok = [t for t in timed if t["status"] == "ok" and t["variant"] != "PyTorch (torch.compile)"
-          and t["per_device_batch"] == sizes[0]]
-    if ok:
-        best = max(ok, key=lambda t: t["result"]["samples_per_s_per_device"])
-        row = next(x for x in rows if label(x) == best["name"])
-        prof, j = tmp / "profile", tmp / "profile.json"
-        rec = r.run(f"profile: {best['name']}", step_argv(config, row, 2, j, "--profile", str(prof),
-                                                          "--profile-steps", "3"), j, xla_flags=row["xla"])
-        results["profile"] = {"variant": best["name"], **rec}
-        if rec["status"] == "ok" and prof.exists():
-            with tarfile.open(out / "profile.tar.gz", "w:gz") as tar:
-                tar.add(prof, arcname="profile")
-            done = subprocess.run([sys.executable, "benchmarks/profile_breakdown.py", str(prof), "--steps", "3"],
-                                  cwd=REPO, env=r.env, capture_output=True, text=True, timeout=max(10, r.left()))
-            (out / "breakdown.txt").write_text(done.stdout + done.stderr[-3000:])
     write(out, results)
     print(f"results: {out / 'speed.md'}")
+
+
+def profile(r: Runner, config: str, rows: list[dict], timed: list[dict], size: int, out: Path,
+            results: dict) -> None:
+    """The fastest JAX row at `size`, profiled: its compiled step comes from the run's compile cache."""
+    ok = [t for t in timed if t["status"] == "ok" and t["variant"] != "PyTorch (torch.compile)"
+          and t["per_device_batch"] == size]
+    if not ok:
+        return
+    best = max(ok, key=lambda t: t["result"]["samples_per_s_per_device"])
+    row = next(x for x in rows if label(x) == best["name"])
+    prof, j = r.tmp / "profile", r.tmp / "profile.json"
+    rec = r.run(f"profile: {best['name']}", step_argv(config, row, 2, j, "--profile", str(prof),
+                                                      "--profile-steps", "3"), j, xla_flags=row["xla"])
+    results["profile"] = {"variant": best["name"], **rec}
+    if rec["status"] == "ok" and prof.exists():
+        with tarfile.open(out / "profile.tar.gz", "w:gz") as tar:
+            tar.add(prof, arcname="profile")
+        done = subprocess.run([sys.executable, "benchmarks/profile_breakdown.py", str(prof), "--steps", "3"],
+                              cwd=REPO, env=r.env, capture_output=True, text=True, timeout=max(10, r.left()))
+        (out / "breakdown.txt").write_text(done.stdout + done.stderr[-3000:])
+    write(out, results)
 
 
 def write(out: Path, results: dict) -> None:

@@ -31,7 +31,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from prolip_jax.normalization import normalize_on_device
-from prolip_jax import objectives, sharding
+from prolip_jax import objectives, param_init, sharding
 from prolip_jax.objectives import prolip as prolip_objective
 from prolip_jax.models.prolip import ProLIP, dummy_inputs, mask_text_tokens, num_kept_patches
 from prolip_jax import optim
@@ -158,7 +158,10 @@ def create_train_state(model: ProLIP, tx: optax.GradientTransformation, mesh: Me
                        seed: int) -> tuple[TrainState, TrainState]:
     """(state, state shardings): parameters are created already sharded (jit with out_shardings)."""
     shardings = state_shardings(model, tx, mesh, rules)
-    state = jax.jit(_init_fn(model, tx), out_shardings=shardings)(jax.random.key(seed))
+    params = param_init.init_params(model, dummy_inputs(model.config), jax.random.key(seed), shardings.params)
+    if params is None:  # a model param_init cannot follow (e.g. scanned layers): one program
+        return jax.jit(_init_fn(model, tx), out_shardings=shardings)(jax.random.key(seed)), shardings
+    state = jax.jit(_state_from_params(tx), out_shardings=shardings, donate_argnums=0)(params)
     return state, shardings
 
 
@@ -166,11 +169,17 @@ def _init_fn(model: ProLIP, tx: optax.GradientTransformation) -> Callable[[jax.A
     images, tokens = dummy_inputs(model.config)
 
     def init(rng):
-        params = nn.unbox(model.init(rng, images, tokens)["params"])
+        return _state_from_params(tx)(nn.unbox(model.init(rng, images, tokens)["params"]))
+
+    return init
+
+
+def _state_from_params(tx: optax.GradientTransformation) -> Callable[[Any], TrainState]:
+    def state(params):
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                           skipped=jnp.zeros((), jnp.int32))
 
-    return init
+    return state
 
 
 def abstract_train_state(model: ProLIP, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:

@@ -1,0 +1,117 @@
+"""Creating a model's parameters without compiling one program per parameter.
+
+`jax.jit(model.init)` compiles every parameter's random draw into one program: B/16's ~400
+draws are ~400 kernels, 12-14 s of compile on a 2-core CPU and most of the 88 s its train state
+took from an empty compile cache on an H100 (docs/performance.md, "GPU (H100): the levers and
+PyTorch again"). The draws repeat a handful of computations (every block's kernels share a shape
+and an initialiser), so here each parameter is drawn by a small jitted program shared by every
+parameter that computes the same thing (23 programs for B/16), compiled in parallel, then called
+once per parameter: the same values bit for bit (tests/test_param_init.py), in ~5 s on the CPU.
+
+The key of each parameter is Flax's own: `Scope.make_rng('params')` folds the SHA-1 of the
+scope path and a counter into the root key (flax/core/scope.py `LazyRng`, `_fold_in_static`).
+`record` watches `Scope.param` while `model.init` is traced abstractly (no forward pass runs)
+and keeps each parameter's path, that static suffix and its initialiser. A model whose
+parameters are not all drawn that way (a lifted transform such as `nn.scan` splits the rng; an
+initialiser that reads an input array) is reported as not recordable, and `init_params`
+returns None so the caller compiles the plain `model.init`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import flax.core.scope as flax_scope
+import flax.linen as nn
+import jax
+import numpy as np
+
+
+# On XLA:CPU the draws compile in 1.5 s instead of 2.9 s for B/16 at LLVM -O1 with the older fusion
+# emitters, and give the same bits as at XLA's defaults (-O2, new emitters; tests/test_param_init.py).
+# -O0 would not: without FMA contraction the truncated normal's last bit differs.
+CPU_COMPILE_OPTIONS = {"xla_backend_optimization_level": 1, "xla_cpu_use_fusion_emitters": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class Draw:
+    path: tuple[str, ...]           # the parameter's path in the params tree
+    suffix: tuple[str | int, ...]   # what Flax folds into the root key for it
+    init: Callable[[jax.Array], Any]  # key -> the (boxed) value, as the module asked for it
+
+
+def record(model: nn.Module, *inputs: Any) -> list[Draw] | None:
+    """Every parameter `model.init(rng, *inputs)` creates, in creation order; None when some
+    parameter's key is not Flax's fold-in of the root key or its initialiser reads an array."""
+    draws: list[Draw] = []
+    recordable = True
+    root: list[jax.Array] = []
+    original = flax_scope.Scope.param
+
+    def param(self, name, init_fn, *init_args, unbox=True, **init_kwargs):
+        nonlocal recordable
+        if self.is_mutable_collection("params") and not self.has_variable("params", name):
+            lazy = self.rngs.get("params")
+            arrays = any(isinstance(x, jax.Array) for x in jax.tree.leaves((init_args, init_kwargs)))
+            if not isinstance(lazy, flax_scope.LazyRng) or lazy.rng is not root[0] or arrays:
+                recordable = False
+            else:  # the suffix make_rng('params') is about to fold in (its counter, incremented)
+                draws.append(Draw(self.path + (name,), lazy.suffix + (self.rng_counters["params"] + 1,),
+                                  lambda key: init_fn(key, *init_args, **init_kwargs)))
+        return original(self, name, init_fn, *init_args, unbox=unbox, **init_kwargs)
+
+    def init(rng):
+        root.append(rng)
+        return model.init(rng, *inputs)
+
+    flax_scope.Scope.param = param
+    try:
+        jax.eval_shape(init, jax.random.key(0))
+    finally:
+        flax_scope.Scope.param = original
+    return draws if recordable else None
+
+
+def init_params(model: nn.Module, inputs: tuple, rng: jax.Array, shardings: Any) -> Any | None:
+    """`nn.unbox(model.init(rng, *inputs)["params"])` laid out as `shardings` (a tree of the
+    params' shardings), drawn parameter by parameter; None when `record` cannot follow the model."""
+    draws = record(model, *inputs)
+    if draws is None:
+        return None
+    by_path = {tuple(k.key for k in path): s for path, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+    if set(by_path) != {d.path for d in draws}:
+        return None
+    # The keys: Flax's own fold-in, computed once per parameter (one small cached program).
+    key_data = [np.asarray(jax.random.key_data(flax_scope._fold_in_static(rng, d.suffix))) for d in draws]
+
+    # One program per distinct computation: a draw's jaxpr (its constants included) and layout.
+    lowered: dict[Any, Any] = {}
+    program_of = []
+    for d, kd in zip(draws, key_data):
+        def draw(kd, d=d):
+            return nn.unbox(d.init(jax.random.wrap_key_data(kd)))
+        closed = jax.make_jaxpr(draw)(kd)
+        sig = (str(closed), tuple(np.asarray(c).tobytes() for c in closed.consts), by_path[d.path])
+        if sig not in lowered:
+            lowered[sig] = jax.jit(draw, out_shardings=by_path[d.path]).lower(kd)
+        program_of.append(sig)
+    # XLA compiles outside the GIL: the programs compile side by side.
+    cpu = all(d.platform == "cpu" for s in by_path.values() for d in s.device_set)
+    options = CPU_COMPILE_OPTIONS if cpu else None
+    with ThreadPoolExecutor(max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
+        compiled = dict(zip(lowered, pool.map(lambda low: low.compile(options), lowered.values())))
+
+    flat = {d.path: compiled[sig](kd) for d, sig, kd in zip(draws, program_of, key_data)}
+    return _unflatten(flat)
+
+
+def _unflatten(flat: dict[tuple[str, ...], Any]) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for name in path[:-1]:
+            node = node.setdefault(name, {})
+        node[path[-1]] = value
+    return tree
