@@ -36,6 +36,7 @@ def one_program(model, tx, shardings, seed, options=OPTIMIZED):
     """The state as one jitted init, compiled at XLA's defaults (what a run outside the suite's
     -O0 gets; at -O0 the truncated normal's last bit differs, param_init.CPU_COMPILE_OPTIONS)."""
     key = jax.random.key(seed)
+    options = options if jax.default_backend() == "cpu" else None  # OPTIMIZED names XLA:CPU options
     return jax.jit(S._init_fn(model, tx), out_shardings=shardings).lower(key).compile(options)(key)
 
 
