@@ -92,33 +92,29 @@ class LayerNorm(nn.Module):
         d = x.shape[-1]
         scale = self.param("scale", nn.with_logical_partitioning(ones, ("embed",)), (d,))
         bias = self.param("bias", nn.with_logical_partitioning(zeros, ("embed",)), (d,))
-        return layer_norm(x, scale, bias, self.eps, jnp.dtype(self.dtype))
+        return layer_norm(x, scale, bias, self.eps).astype(self.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float, dtype: jnp.dtype) -> jax.Array:
-    """(x - mean) / sqrt(var + eps) * scale + bias over the last axis, in float32, cast to `dtype`.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """float32 (x - mean) / sqrt(var + eps) * scale + bias over the last axis.
 
     Its backward is the closed form torch's LayerNorm kernel uses (two row means of the scaled
     gradient, the input's row statistics kept from the forward), where autodiff of the forward
     gives XLA a longer chain of broadcasts and reductions: the small model's CPU step 1777 ->
-    1757 ms and 1932 -> 1881 ms in two alternating A/B runs (docs/performance.md). The cast to
-    the compute dtype is inside, so the backward gets the output's gradient in that dtype (bf16
-    on a GPU), as the next layer computed it: the same values as the float32 copy a cast outside
-    would hand it (bf16 -> float32 is exact), in half the bytes."""
-    return _layer_norm_fwd(x, scale, bias, eps, dtype)[0]
+    1757 ms and 1932 -> 1881 ms in two alternating A/B runs (docs/performance.md)."""
+    return _layer_norm_fwd(x, scale, bias, eps)[0]
 
 
-def _layer_norm_fwd(x, scale, bias, eps, dtype):
+def _layer_norm_fwd(x, scale, bias, eps):
     x32 = x.astype(jnp.float32)
     mean = x32.mean(-1, keepdims=True)
     rstd = jax.lax.rsqrt(jnp.square(x32 - mean).mean(-1, keepdims=True) + eps)
-    return ((x32 - mean) * rstd * scale + bias).astype(dtype), (x, mean, rstd, scale)
+    return (x32 - mean) * rstd * scale + bias, (x, mean, rstd, scale)
 
 
-def _layer_norm_bwd(eps, dtype, res, dy):
+def _layer_norm_bwd(eps, res, dy):
     x, mean, rstd, scale = res
-    dy = dy.astype(jnp.float32)
     xhat = (x.astype(jnp.float32) - mean) * rstd
     g = dy * scale
     dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
