@@ -32,10 +32,13 @@ from pathlib import Path
 from gpu_plan import REPO, XLA_LEVERS, Runner
 
 # name -> (benchmark_step --set overrides, extra XLA_FLAGS). Each lever computes the same step
-# (tests/test_speed_levers.py); the XLA flag stops XLA merging the full and the masked forward's
-# dots that share a weight by concatenating their activations (docs/gpu_results/2026-11-24-h100).
+# (tests/test_speed_levers.py); no_dot_merger stops XLA merging the full and the masked forward's
+# dots that share a weight by concatenating their activations (docs/gpu_results/2026-11-24-h100);
+# no_triton_gemm leaves every GEMM to cuBLAS instead of autotuning Triton GEMMs beside it: with
+# the four others, 2,093 -> 2,139 samples/s and compile 73 -> 55 s (docs/gpu_results/2026-11-27b-h100).
 LEVERS = {
     "no_dot_merger": ((), XLA_LEVERS["xla:no_dot_merger"]),
+    "no_triton_gemm": ((), XLA_LEVERS["xla:no_triton_gemm"]),
     "flat_tokens": (("model.flat_tokens=true",), ""),
     "fused_guard": (("step.finite_guard=fused",), ""),
     "cast_once": (("step.cast_params_once=true",), ""),

@@ -22,7 +22,7 @@ def test_rows_most_wanted_first():
     assert {r["name"] for r in rows if r["batch"] == 256} == {"baseline", "all levers", *gpu_speed.LEVERS}
     every = rows[1]
     assert set(every["sets"]) == {s for sets, _ in gpu_speed.LEVERS.values() for s in sets}
-    assert every["xla"] == "--xla_gpu_dot_merger_threshold_mb=0"
+    assert every["xla"] == "--xla_gpu_dot_merger_threshold_mb=0 --xla_gpu_enable_triton_gemm=false"
     argv = gpu_speed.step_argv("configs/x.py", every, 20, Path("/tmp/j.json"))
     assert argv.count("--set") == len(every["sets"]) and "--per-device-batch" in argv
 
