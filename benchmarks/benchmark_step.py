@@ -4,6 +4,7 @@
         [--steps 10] [--set model.dtype=bfloat16 --set loss.ppcl_impl=dense ...] \
         [--matmul-reference] [--profile DIR] [--json OUT.json]
     python benchmarks/benchmark_step.py --config ... --max-batch [--max-batch-step 32]
+    python benchmarks/benchmark_step.py --config ... --state-only    # the train state's creation time
 
 Runs the real jitted step (full + masked forward, ProLIP loss, AdamW update, donated state) on
 random device-resident data, on every local device (the config's mesh). FLOPs are counted
@@ -275,6 +276,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-batch-step", type=int, default=32, help="resolution, per device")
     p.add_argument("--max-batch-cap", type=int, default=16384, help="largest batch tried, per device")
     p.add_argument("--memory-limit-bytes", type=int, default=None)
+    p.add_argument("--state-only", action="store_true",
+                   help="stop after creating the train state (its time: `train state X s`)")
     p.add_argument("--compile-only", action="store_true",
                    help="stop after the train state and the compile (fills a compile cache for a later timed run)")
     args = p.parse_args(argv)
@@ -322,6 +325,11 @@ def main(argv: list[str] | None = None) -> None:
     t_init = time.perf_counter()
     jax.block_until_ready(bench.fresh_state())
     init_s = time.perf_counter() - t_init
+    if args.state_only:
+        result.update(init_s=init_s, startup_s=t_init - _START)
+        print(f"train state {init_s:.1f} s (start-up {t_init - _START:.1f} s)")
+        _write(args.json, result)
+        return
     batch = bench.batch(b)
     compiled, lower_s, compile_s = bench.compile(b, batch)
     if args.compile_only:

@@ -10,7 +10,9 @@ PROFILE_DIR is a `jax.profiler` trace (`benchmarks/benchmark_step.py --profile D
     fusions and other kernels, copies and memsets;
   - the costliest fusion kernels, each with the JAX operation that made it (the HLO
     instruction's `op_name`, layer indices folded: `resblocks_N`), its output shape and the
-    fused ops (so "a concatenate of [50688, 3072] and [4768, 3072]" is visible as such).
+    fused ops (so "a concatenate of [50688, 3072] and [4768, 3072]" is visible as such);
+  - the fusion time summed by JAX op over every kernel ("backward image c_fc/reduce_sum": all
+    layers, the full and the masked forward, forward and backward apart).
 XLA GPU reuses one compiled kernel for identical fusions, so a kernel's name is that of the first
 instruction that uses it; the others are folded into it (their count is the kernel's count).
 No xprof or TensorFlow needed: the HLO comes from a minimal protobuf reader below. Kernels inside
@@ -166,6 +168,15 @@ def fold_layers(op_name: str) -> str:
     return re.sub(r"(resblocks|layers?|blocks?)_\d+", r"\1_N", op_name)
 
 
+def op_group(op_name: str) -> str:
+    """"backward image c_fc/reduce_sum": a folded op name without its jit/jvp wrappers, so that
+    the kernels of one model op (every layer, the full and the masked forward) add up."""
+    tower = "image" if "encode_image" in op_name else "text" if "encode_text" in op_name else ""
+    direction = ("backward" if "transpose(" in op_name else "forward") if tower else "step"  # loss, optimiser, guard
+    tail = op_name.split("resblocks_N/", 1)[1] if "resblocks_N/" in op_name else op_name.rsplit("/", 1)[-1]
+    return " ".join(x for x in (direction, tower, tail) if x)
+
+
 def breakdown(profile_dir: Path, steps: int, top: int) -> dict:
     traces = sorted(profile_dir.rglob("*.trace.json.gz"))
     planes = sorted(profile_dir.rglob("*.xplane.pb"))
@@ -193,20 +204,26 @@ def breakdown(profile_dir: Path, steps: int, top: int) -> dict:
         counts[e["name"]] += 1
         insts.setdefault(e["name"], instruction(e))
     total = sum(classes.values())
-    rows = []
+    rows, by_op, op_kernels = [], collections.Counter(), collections.Counter()
     for name, us in kernels.most_common():
         if kernel_class(name) != "XLA fusions and other kernels":
             continue
         inst = insts[name] or {}
+        group = op_group(fold_layers(inst.get("op_name", "")))
+        by_op[group] += us
+        op_kernels[group] += counts[name]
+        if len(rows) == top:
+            continue
         rows.append({"kernel": name, "ms_per_step": us / 1e3 / steps, "per_step": counts[name] / steps,
                      "op_name": fold_layers(inst.get("op_name", "")), "shape": inst.get("shape", ""),
                      "fused": sorted({f"{op} {shape}" for op, shape in inst.get("fused", [])
                                       if op not in ("slice", "convert", "multiply", "add")})[:6]})
-        if len(rows) == top:
-            break
     return {"profile": str(traces[-1]), "steps": steps, "device_ms_per_step": total / 1e3 / steps,
             "classes_ms_per_step": {k: v / 1e3 / steps for k, v in classes.most_common()},
-            "top_fusions": rows, "modules": sorted(modules)}
+            "top_fusions": rows,
+            "fusions_by_op": [{"op": k, "ms_per_step": us / 1e3 / steps, "per_step": op_kernels[k] / steps}
+                              for k, us in by_op.most_common(top)],
+            "modules": sorted(modules)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -224,6 +241,9 @@ def main(argv: list[str] | None = None) -> None:
     for x in r["top_fusions"]:
         print(f"  {x['ms_per_step']:7.3f} {x['per_step']:4.0f}  {x['kernel'][:34]:34s} {x['op_name'][-90:]}  "
               f"{x['shape']}")
+    print("fusion time by JAX op, every kernel of it (ms per step, kernels per step, op):")
+    for x in r["fusions_by_op"]:
+        print(f"  {x['ms_per_step']:7.3f} {x['per_step']:5.0f}  {x['op'][-100:]}")
     if args.json:
         args.json.write_text(json.dumps(r, indent=1))
 

@@ -67,3 +67,14 @@ def test_best_row_takes_the_levers_that_helped():
     assert best["xla"] == "--xla_gpu_dot_merger_threshold_mb=0" and best["sets"] == ("step.finite_guard=fused",)
     assert gpu_speed.best_row(timed[:1] + [row("flat_tokens", 1005.0)], 256) is None  # within the 1% margin
     assert gpu_speed.best_row(timed[1:], 256) is None  # no baseline to compare with
+
+
+def test_state_only_times_the_train_state_alone(tmp_path, capsys):
+    import json
+
+    import benchmark_step
+
+    benchmark_step.main(["--config", "configs/tiny.py:data=random", "--state-only", "--json", str(tmp_path / "r.json")])
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["init_s"] > 0 and "compile_s" not in result
+    assert "train state" in capsys.readouterr().out

@@ -32,20 +32,23 @@ def assert_same_state(state, reference):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
 
 
-def one_program(model, tx, shardings, seed, options=OPTIMIZED):
-    """The state as one jitted init, compiled at XLA's defaults (what a run outside the suite's
-    -O0 gets; at -O0 the truncated normal's last bit differs, param_init.CPU_COMPILE_OPTIONS)."""
+def one_program(model, tx, shardings, seed, options=None):
     key = jax.random.key(seed)
     options = options if jax.default_backend() == "cpu" else None  # OPTIMIZED names XLA:CPU options
     return jax.jit(S._init_fn(model, tx), out_shardings=shardings).lower(key).compile(options)(key)
 
 
-def test_state_matches_one_program(setup):
+@pytest.mark.parametrize("flags", ["suite", "none"])
+def test_state_matches_one_program(setup, flags, monkeypatch):
+    """With the suite's XLA_FLAGS (-O0) the draws compile as everything else does; without any,
+    at param_init.CPU_COMPILE_OPTIONS, against one program at XLA's defaults (what a run gets)."""
     tx, mesh = setup
+    if flags == "none":
+        monkeypatch.setenv("XLA_FLAGS", "")
     model = ProLIP(MICRO2, attention_impl="xla")
     draws = param_init.record(model, *dummy_inputs(model.config))
     state, shardings = S.create_train_state(model, tx, mesh, "fsdp", seed=3)
-    reference = one_program(model, tx, shardings, 3)
+    reference = one_program(model, tx, shardings, 3, options=OPTIMIZED if flags == "none" else None)
     assert_same_state(state, reference)
     assert draws is not None and len(draws) == len(jax.tree.leaves(state.params))
     if mesh.shape["fsdp"] > 1:  # sharded for real: the fsdp rules split some kernel over the mesh
@@ -60,7 +63,7 @@ def test_lifted_transforms_fall_back(setup, variant):
     model = ProLIP(MICRO2, attention_impl="xla", **variant)
     assert param_init.record(model, *dummy_inputs(model.config)) is None
     state, shardings = S.create_train_state(model, tx, mesh, "fsdp", seed=3)
-    assert_same_state(state, one_program(model, tx, shardings, 3, options=None))
+    assert_same_state(state, one_program(model, tx, shardings, 3))
 
 
 class _Fails(nn.Module):

@@ -31,6 +31,8 @@ def test_breakdown_names_the_jax_op_of_each_kernel(tmp_path):
     ops = [x["op_name"] for x in r["top_fusions"]]
     assert any("resblocks_N" in op and "jit(profiled_block)" in op for op in ops), ops
     assert all("resblocks_3" not in op for op in ops)
+    by_op = r["fusions_by_op"]  # every fusion kernel, summed per op: the total is the class's
+    assert abs(sum(x["ms_per_step"] for x in by_op) - r["classes_ms_per_step"]["XLA fusions and other kernels"]) < 1e-6
 
 
 def test_kernel_names_and_classes():
@@ -42,3 +44,6 @@ def test_kernel_names_and_classes():
     assert profile_breakdown.kernel_class("cudnn_generated_fort_native_sdpa_sm90") == "attention (cuDNN)"
     assert profile_breakdown.kernel_class("memcpy128") == "copies and memsets"
     assert profile_breakdown.fold_layers("visual/resblocks_11/ln_1") == "visual/resblocks_N/ln_1"
+    op = "jit(train_step)/transpose(jvp(ProLIP))/ProLIP.encode_image/visual/transformer/resblocks_N/c_fc/reduce_sum"
+    assert profile_breakdown.op_group(op) == "backward image c_fc/reduce_sum"
+    assert profile_breakdown.op_group("jit(train_step)/reduce_sum") == "step reduce_sum"
