@@ -42,6 +42,8 @@ LEVERS = {
     "flat_tokens": (("model.flat_tokens=true",), ""),
     "fused_guard": (("step.finite_guard=fused",), ""),
     "cast_once": (("step.cast_params_once=true",), ""),
+    # Prepared from the 2026-11-27b profile, not yet measured: models/transformer.py layer_norm.
+    "ln_saved_stats": (("model.ln_saved_stats=true",), ""),
 }
 
 

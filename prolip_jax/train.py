@@ -50,7 +50,7 @@ from prolip_jax.metrics import MetricWriter
 from prolip_jax.models import ProLIP, ProLIPConfig, abstract_params, get_config
 from prolip_jax.models import layout
 from prolip_jax.models.config import PAPER_INIT_LOGIT_SCALE
-from prolip_jax.models.transformer import REMAT_POLICIES
+from prolip_jax.models.transformer import REMAT_POLICIES, BlockLevers
 from prolip_jax.pretrained import openclip, warm_start
 from prolip_jax.targets import TargetsConfig
 from prolip_jax.window import Window
@@ -104,9 +104,11 @@ class ModelOptions:
     attention_impl: Literal["auto", "xla", "cudnn"] = "auto"
     # False: on CPU the scanned step is 6-17% slower and B/16's compiled temporaries 1.7x (docs/performance.md)
     scan_layers: bool = False  # each tower's blocks as one nn.scan (models/layout.py): 4x faster B/16 compile
-    # The blocks on [B*T, D] token matrices (models/transformer.py residual_block): a GPU speed
-    # lever, the same arithmetic (tests/test_speed_levers.py; docs/performance.md).
+    # GPU speed levers of the blocks, the same arithmetic (models/transformer.py BlockLevers;
+    # tests/test_speed_levers.py; docs/performance.md): the blocks on [B*T, D] token matrices, and
+    # the LayerNorms' backward reading the forward's row statistics.
     flat_tokens: bool = False
+    ln_saved_stats: bool = False
     init_logit_scale: float = PAPER_INIT_LOGIT_SCALE  # log a
     init_logit_bias: float | None = None  # b; None: the variant's (ProLIP: -10)
     # The joint embedding's size (mu, sigma^2); 0: the variant's. PCME++ on COCO: 1024 on CLIP's
@@ -215,7 +217,7 @@ def build_model(tc: TrainConfig, mcfg: ProLIPConfig) -> ProLIP:
     """The module the step runs: the towers of `mcfg` with config.model's compute options."""
     m = tc.model
     return ProLIP(mcfg, dtype=jnp.dtype(m.dtype), attention_impl=m.attention_impl, remat=m.remat,
-                  scan_layers=m.scan_layers, flat_tokens=m.flat_tokens)
+                  scan_layers=m.scan_layers, levers=BlockLevers(m.flat_tokens, m.ln_saved_stats))
 
 
 def validate(tc: TrainConfig, mesh, mcfg: ProLIPConfig) -> None:

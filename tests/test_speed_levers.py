@@ -2,9 +2,10 @@
 
 Each lever runs three real train steps of the micro model from the same state and is compared
 with the default step:
-- `model.flat_tokens` (the blocks on [B*T, D] matrices) and `step.finite_guard="fused"`: the same
-  arithmetic in another layout, so loss and parameters agree to float32 rounding (relative
-  1e-5, the sharded-step tolerance of tests/test_step.py);
+- `model.flat_tokens` (the blocks on [B*T, D] matrices), `model.ln_saved_stats` (the LayerNorms'
+  backward reads the forward's statistics) and `step.finite_guard="fused"`: the same arithmetic
+  in another layout or order, so loss and parameters agree to float32 rounding (relative 1e-5,
+  the sharded-step tolerance of tests/test_step.py);
 - `step.cast_params_once` in float32 compute is the identity (bit-identical), and in bfloat16
   the loss after three steps agrees to bfloat16 rounding (relative 1e-2): the two forwards'
   weight gradients then add in bfloat16 (step.StepOptions).
@@ -24,6 +25,7 @@ import pytest
 from prolip_jax import optim, sharding
 from prolip_jax import step as S
 from prolip_jax.models import ProLIP, get_config
+from prolip_jax.models.transformer import BlockLevers
 from prolip_jax.objectives import prolip as prolip_objective
 
 B = 16
@@ -40,8 +42,8 @@ def batch():
     return b
 
 
-def train(batch, dtype=jnp.float32, flat_tokens=False, steps=3, **options):
-    model = ProLIP(get_config("micro"), dtype=dtype, attention_impl="xla", flat_tokens=flat_tokens)
+def train(batch, dtype=jnp.float32, levers=BlockLevers(), steps=3, **options):
+    model = ProLIP(get_config("micro"), dtype=dtype, attention_impl="xla", levers=levers)
     tx, schedule = optim.make_optimizer(optim.OptimConfig.of(dict(lr=1e-3, warmup_steps=1)), 10)
     mesh = sharding.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), jax.devices()[:1])
     state, _ = S.create_train_state(model, tx, mesh, "replicated", seed=0)
@@ -63,9 +65,11 @@ def rel(a, b) -> float:
     return float(np.abs(np.asarray(a, np.float64) - b).max() / max(np.abs(b).max(), 1e-12))
 
 
-def test_flat_tokens_and_fused_guard_give_the_default_step(batch, default_f32):
+@pytest.mark.parametrize("levers,options", [(BlockLevers(flat_tokens=True), {"finite_guard": "fused"}),
+                                            (BlockLevers(ln_saved_stats=True), {})])
+def test_layout_levers_give_the_default_step(batch, default_f32, levers, options):
     ref_state, ref_losses = default_f32
-    state, losses = train(batch, flat_tokens=True, finite_guard="fused")
+    state, losses = train(batch, levers=levers, **options)
     assert np.allclose(losses, ref_losses, rtol=1e-5, atol=0)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(state.params), jax.tree.leaves(ref_state.params)):
         if "key_bias" in jax.tree_util.keystr(path):  # softmax-invariant: its gradient is rounding noise
@@ -106,14 +110,14 @@ def test_finite_guard(fused):
 
 
 def test_step_options_come_from_the_config():
-    from prolip_jax.train import parse_config, step_config
+    from prolip_jax.train import build_model, model_config, parse_config, step_config
 
     config = ml_collections.ConfigDict({"total_steps": 10, "batch_size": 8,
                                         "step": {"finite_guard": "fused", "cast_params_once": True},
-                                        "model": {"flat_tokens": True}})
+                                        "model": {"flat_tokens": True, "ln_saved_stats": True}})
     tc = parse_config(config)
     assert step_config(tc).options == S.StepOptions(cast_params_once=True, finite_guard="fused")
-    assert tc.model.flat_tokens
+    assert build_model(tc, model_config(tc)).levers == BlockLevers(flat_tokens=True, ln_saved_stats=True)
     config.step.finite_guard = "fast"
     with pytest.raises(ValueError, match="finite_guard"):
         parse_config(config)

@@ -22,7 +22,7 @@ import numpy as np
 
 from prolip_jax.models.config import ProLIPConfig
 from prolip_jax.models.text import TextTower
-from prolip_jax.models.transformer import constant
+from prolip_jax.models.transformer import BlockLevers, constant
 from prolip_jax.models.vit import VisionTower
 
 
@@ -37,14 +37,14 @@ class ProLIP(nn.Module):
     attention_impl: str = "auto"  # 'auto' | 'xla' | 'cudnn'
     remat: str = "none"  # see transformer.REMAT_POLICIES
     scan_layers: bool = False  # each tower's blocks as one nn.scan (models/layout.py: the params' layout)
-    flat_tokens: bool = False  # the blocks on [B*T, D] matrices: a GPU speed lever (transformer.residual_block)
+    levers: BlockLevers = BlockLevers()  # how the blocks compute: GPU speed levers (transformer.BlockLevers)
 
     def setup(self):
         c = self.config
         self.visual = VisionTower(c.vision, c.embed_dim, c.quick_gelu, self.dtype, self.attention_impl, self.remat,
-                                  self.scan_layers, self.flat_tokens)
+                                  self.scan_layers, self.levers)
         self.text = TextTower(c.text, c.embed_dim, c.quick_gelu, self.dtype, self.attention_impl, self.remat,
-                              self.scan_layers, self.flat_tokens)
+                              self.scan_layers, self.levers)
         self.logit_scale = self.param(
             "logit_scale", nn.with_logical_partitioning(constant(c.init_logit_scale), ()), ())
         self.logit_bias = self.param(

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 
 from prolip_jax.models.config import TextConfig
 from prolip_jax.models.heads import GPO, size_augment_tokens, unc_projection
-from prolip_jax.models.transformer import Encoder, LayerNorm, Linear, block_init, constant, normal, uniform, zeros
+from prolip_jax.models.transformer import (BlockLevers, Encoder, LayerNorm, Linear, block_init, constant, normal,
+                                          uniform, zeros)
 
 
 class TextTower(nn.Module):
@@ -45,7 +46,7 @@ class TextTower(nn.Module):
     attention_impl: str = "auto"
     remat: str = "none"
     scan_layers: bool = False  # the blocks as one nn.scan (transformer.Encoder, models/layout.py)
-    flat_tokens: bool = False  # the blocks on [B*T, D] (transformer.residual_block)
+    levers: BlockLevers = BlockLevers()  # GPU speed levers of the blocks
 
     @nn.compact
     def __call__(self, tokens: jax.Array, train: bool = False) -> tuple[jax.Array, jax.Array | None]:
@@ -83,13 +84,13 @@ class TextTower(nn.Module):
         init = block_init(d, c.layers, c.mlp_dim, "open_clip_text")
         encoder = Encoder(c.layers, c.heads, c.mlp_dim, c.ln_eps, act, init, self.dtype,
                           self.attention_impl, self.remat, causal=c.causal, scan=self.scan_layers,
-                          flat_tokens=self.flat_tokens, name="transformer")
+                          levers=self.levers, name="transformer")
         x_unc = None
         if c.embed_unc and c.unc_head == "block":  # the stream splits after block L - n
             x, x_fork = encoder(x, fork_after=c.layers - c.unc_layers)
             x_unc = Encoder(c.unc_layers, c.heads, c.mlp_dim, c.ln_eps, act, init, self.dtype, self.attention_impl,
                             self.remat, causal=c.causal, scan=self.scan_layers,
-                            flat_tokens=self.flat_tokens, name="unc_transformer")(x_fork)
+                            levers=self.levers, name="unc_transformer")(x_fork)
         else:
             x = encoder(x)
         ln_final = LayerNorm(c.ln_eps, self.dtype, name="ln_final")

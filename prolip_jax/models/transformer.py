@@ -10,6 +10,7 @@ onto a mesh); activations run in `dtype` (float32 or bfloat16).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, Sequence
 
@@ -86,35 +87,45 @@ class LayerNorm(nn.Module):
 
     eps: float
     dtype: jnp.dtype = jnp.float32
+    saved_stats: bool = False  # see layer_norm
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         d = x.shape[-1]
         scale = self.param("scale", nn.with_logical_partitioning(ones, ("embed",)), (d,))
         bias = self.param("bias", nn.with_logical_partitioning(zeros, ("embed",)), (d,))
-        return layer_norm(x, scale, bias, self.eps).astype(self.dtype)
+        return layer_norm(x, scale, bias, self.eps, self.saved_stats).astype(self.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float, saved_stats: bool = False) -> jax.Array:
     """float32 (x - mean) / sqrt(var + eps) * scale + bias over the last axis.
 
     Its backward is the closed form torch's LayerNorm kernel uses (two row means of the scaled
     gradient, the input's row statistics kept from the forward), where autodiff of the forward
     gives XLA a longer chain of broadcasts and reductions: the small model's CPU step 1777 ->
-    1757 ms and 1932 -> 1881 ms in two alternating A/B runs (docs/performance.md)."""
-    return _layer_norm_fwd(x, scale, bias, eps)[0]
+    1757 ms and 1932 -> 1881 ms in two alternating A/B runs (docs/performance.md).
+
+    `saved_stats` (BlockLevers.ln_saved_stats, a GPU speed lever): the backward reads the row
+    statistics the forward saved instead of letting XLA recompute them. On an H100 XLA fused the
+    recomputation into a kernel that writes dy * xhat in float32 ([50688, 768] per image block)
+    for the next kernel's column sum (the scale's gradient): a row reduction and a column
+    reduction cannot share a kernel (docs/gpu_results/2026-11-27b-h100, `ln_2/mul`). Behind an
+    optimization barrier the statistics are plain inputs, and the column sum can read dy and x."""
+    return _layer_norm_fwd(x, scale, bias, eps, saved_stats)[0]
 
 
-def _layer_norm_fwd(x, scale, bias, eps):
+def _layer_norm_fwd(x, scale, bias, eps, saved_stats):
     x32 = x.astype(jnp.float32)
     mean = x32.mean(-1, keepdims=True)
     rstd = jax.lax.rsqrt(jnp.square(x32 - mean).mean(-1, keepdims=True) + eps)
     return (x32 - mean) * rstd * scale + bias, (x, mean, rstd, scale)
 
 
-def _layer_norm_bwd(eps, res, dy):
+def _layer_norm_bwd(eps, saved_stats, res, dy):
     x, mean, rstd, scale = res
+    if saved_stats:
+        mean, rstd = jax.lax.optimization_barrier((mean, rstd))
     xhat = (x.astype(jnp.float32) - mean) * rstd
     g = dy * scale
     dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
@@ -245,7 +256,7 @@ class Attention(nn.Module):
     def __call__(self, x: jax.Array, kv: jax.Array | None = None, tokens: tuple[int, int] | None = None
                  ) -> jax.Array:
         """x [B, T, D] -> [B, T, D]; or x [B*T, D] with `tokens` = (B, T) (the flattened tokens of
-        `flat_tokens`) -> [B*T, D]: the projections then stay 2-D, only q, k, v and the attention
+        `BlockLevers.flat_tokens`) -> [B*T, D]: the projections then stay 2-D, only q, k, v and the attention
         output take the [B, T, N, H] shape."""
         d = x.shape[-1]
         if d % self.num_heads:
@@ -287,6 +298,15 @@ class Attention(nn.Module):
         return o + out_bias.astype(self.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockLevers:
+    """How the blocks compute, each the same arithmetic: GPU speed levers, off by default until
+    measured (config.model; tests/test_speed_levers.py; benchmarks/gpu_speed.py LEVERS)."""
+
+    flat_tokens: bool = False  # the blocks on [B*T, D] matrices (residual_block)
+    ln_saved_stats: bool = False  # the LayerNorms' backward reads the forward's statistics (layer_norm)
+
+
 class ResidualBlock(nn.Module):
     """open_clip ResidualAttentionBlock (pre-norm), naver-ai/prolip src/prolip/model.py."""
 
@@ -298,7 +318,7 @@ class ResidualBlock(nn.Module):
     dtype: jnp.dtype = jnp.float32
     attention_impl: str = "auto"
     causal: bool = False
-    flat_tokens: bool = False  # see residual_block
+    levers: BlockLevers = BlockLevers()
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -308,19 +328,20 @@ class ResidualBlock(nn.Module):
 def residual_block(block: ResidualBlock, x: jax.Array) -> jax.Array:
     """The block's computation, its submodules created inside `block` (a compact parent).
 
-    `flat_tokens`: the block works on the tokens as one [B*T, D] matrix (attention alone sees
+    `levers.flat_tokens`: the block works on the tokens as one [B*T, D] matrix (attention alone sees
     [B, T, N, H]), the same arithmetic. A speed lever for GPUs: with [B, T, D] the weight
     gradients contract over two leading axes and XLA picked batch-minor layouts (bf16[198, 768,
     256]) with transposes around LayerNorm, ~10 ms of the B/16 step on an H100
     (docs/gpu_results/2026-11-24-h100/breakdown.txt); flat, every projection is a plain 2-D GEMM."""
     shape = x.shape
     tokens = None
-    if block.flat_tokens:
+    if block.levers.flat_tokens:
         tokens, x = shape[:-1], x.reshape(-1, shape[-1])
-    y = LayerNorm(block.ln_eps, block.dtype, name="ln_1")(x)
+    saved_stats = block.levers.ln_saved_stats
+    y = LayerNorm(block.ln_eps, block.dtype, saved_stats, name="ln_1")(x)
     x = x + Attention(block.num_heads, block.init, block.dtype, block.attention_impl, block.causal,
                       name="attn")(y, tokens=tokens)
-    y = LayerNorm(block.ln_eps, block.dtype, name="ln_2")(x)
+    y = LayerNorm(block.ln_eps, block.dtype, saved_stats, name="ln_2")(x)
     x = (x + mlp(block, y, block.mlp_dim, block.act, block.init)).reshape(shape)
     # Name the residual stream so a remat policy or sharding constraint can refer to it.
     return nn.with_logical_constraint(x, ("batch", "length", "embed"))
@@ -392,7 +413,7 @@ class Encoder(nn.Module):
     remat: str = "none"
     causal: bool = False
     scan: bool = False
-    flat_tokens: bool = False  # residual_block's speed lever
+    levers: BlockLevers = BlockLevers()
 
     @nn.compact
     def __call__(self, x: jax.Array, fork_after: int | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -404,7 +425,7 @@ class Encoder(nn.Module):
         if fork_after is not None and not 0 <= fork_after <= self.layers:
             raise ValueError(f"fork_after={fork_after} must be in [0, layers={self.layers}]")
         args = (self.num_heads, self.mlp_dim, self.ln_eps, self.act, self.init, self.dtype, self.attention_impl,
-                self.causal, self.flat_tokens)
+                self.causal, self.levers)
         policy = REMAT_POLICIES[self.remat]
         if self.scan:
             # prevent_cse=False: inside a scan the loop already keeps XLA from merging the

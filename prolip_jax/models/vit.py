@@ -39,8 +39,8 @@ import jax.numpy as jnp
 
 from prolip_jax.models.config import VisionConfig
 from prolip_jax.models.heads import GPO, size_augment_keep, unc_projection, xavier_uniform
-from prolip_jax.models.transformer import (Encoder, LayerNorm, Linear, MAPHead, block_init, constant, normal,
-                                          uniform)
+from prolip_jax.models.transformer import (BlockLevers, Encoder, LayerNorm, Linear, MAPHead, block_init, constant,
+                                          normal, uniform)
 
 
 class VisionTower(nn.Module):
@@ -51,7 +51,7 @@ class VisionTower(nn.Module):
     attention_impl: str = "auto"
     remat: str = "none"
     scan_layers: bool = False  # the blocks as one nn.scan (transformer.Encoder, models/layout.py)
-    flat_tokens: bool = False  # the blocks on [B*T, D] (transformer.residual_block)
+    levers: BlockLevers = BlockLevers()  # GPU speed levers of the blocks
 
     @nn.compact
     def __call__(self, images: jax.Array, keep_idx: jax.Array | None = None, train: bool = False
@@ -109,13 +109,13 @@ class VisionTower(nn.Module):
         act = "quick_gelu" if self.quick_gelu else c.act
         init = block_init(d, c.layers, c.mlp_dim, "torch")
         encoder = Encoder(c.layers, c.heads, c.mlp_dim, c.ln_eps, act, init, self.dtype, self.attention_impl,
-                          self.remat, scan=self.scan_layers, flat_tokens=self.flat_tokens, name="transformer")
+                          self.remat, scan=self.scan_layers, levers=self.levers, name="transformer")
         x_unc = None
         if c.embed_unc and c.unc_head == "block":  # the stream splits after block L - n
             x, x_fork = encoder(x, fork_after=c.layers - c.unc_layers)
             x_unc = Encoder(c.unc_layers, c.heads, c.mlp_dim, c.ln_eps, act, init, self.dtype, self.attention_impl,
                             self.remat, scan=self.scan_layers,
-                            flat_tokens=self.flat_tokens, name="unc_transformer")(x_fork)
+                            levers=self.levers, name="unc_transformer")(x_fork)
         else:
             x = encoder(x)
         proj = None
