@@ -12,9 +12,10 @@ The key of each parameter is Flax's own: `Scope.make_rng('params')` folds the SH
 scope path and a counter into the root key (flax/core/scope.py `LazyRng`, `_fold_in_static`).
 `record` watches `Scope.param` while `model.init` is traced abstractly (no forward pass runs)
 and keeps each parameter's path, that static suffix and its initialiser. A model whose
-parameters are not all drawn that way (a lifted transform such as `nn.scan` splits the rng; an
-initialiser that reads an input array) is reported as not recordable, and `init_params`
-returns None so the caller compiles the plain `model.init`.
+parameters are not all drawn that way is reported as not recordable, and `init_params` returns
+None so the caller compiles the plain `model.init`: under a lifted transform (`nn.scan`,
+`nn.remat`) the rng a parameter sees is a new traced value, whose relation to the root key
+cannot be read here, and an initialiser may read an input array.
 """
 from __future__ import annotations
 
@@ -92,13 +93,14 @@ def init_params(model: nn.Module, inputs: tuple, rng: jax.Array, shardings: Any)
         return None
     # The keys: Flax's own fold-in, computed once per parameter (one small cached program).
     key_data = [np.asarray(jax.random.key_data(flax_scope._fold_in_static(rng, d.suffix))) for d in draws]
+    impl = jax.random.key_impl(rng)
 
     # One program per distinct computation: a draw's jaxpr (its constants included) and layout.
     lowered: dict[Any, Any] = {}
     program_of = []
     for d, kd in zip(draws, key_data):
         def draw(kd, d=d):
-            return nn.unbox(d.init(jax.random.wrap_key_data(kd)))
+            return nn.unbox(d.init(jax.random.wrap_key_data(kd, impl=impl)))
         closed = jax.make_jaxpr(draw)(kd)
         sig = (str(closed), tuple(np.asarray(c).tobytes() for c in closed.consts), by_path[d.path])
         if sig not in lowered:
