@@ -12,7 +12,7 @@ from prolip_jax import optim, param_init, sharding
 from prolip_jax import step as S
 from prolip_jax.models import ProLIP, dummy_inputs, get_config
 
-MICRO2 = get_config("micro", vision={"layers": 2}, text={"layers": 2})
+MICRO = get_config("micro")  # its q, k and v kernels (one shape, one initialiser) share a program
 OPTIM = dict(lr=1e-3, warmup_steps=2, b1=0.9, b2=0.95, eps=1e-6, weight_decay=0.2)
 
 
@@ -45,7 +45,7 @@ def test_state_matches_one_program(setup, flags, monkeypatch):
     tx, mesh = setup
     if flags == "none":
         monkeypatch.setenv("XLA_FLAGS", "")
-    model = ProLIP(MICRO2, attention_impl="xla")
+    model = ProLIP(MICRO, attention_impl="xla")
     draws = param_init.record(model, *dummy_inputs(model.config))
     state, shardings = S.create_train_state(model, tx, mesh, "fsdp", seed=3)
     reference = one_program(model, tx, shardings, 3, options=OPTIMIZED if flags == "none" else None)
@@ -60,7 +60,7 @@ def test_lifted_transforms_fall_back(setup, variant):
     """nn.scan splits the rng and nn.remat passes it through jax.checkpoint: record cannot tell
     the key of a parameter from the root's, so the state comes from the one program."""
     tx, mesh = setup
-    model = ProLIP(MICRO2, attention_impl="xla", **variant)
+    model = ProLIP(MICRO, attention_impl="xla", **variant)
     assert param_init.record(model, *dummy_inputs(model.config)) is None
     state, shardings = S.create_train_state(model, tx, mesh, "fsdp", seed=3)
     assert_same_state(state, one_program(model, tx, shardings, 3))
