@@ -38,6 +38,13 @@ import numpy as np
 CPU_COMPILE_OPTIONS = {"xla_backend_optimization_level": 1, "xla_cpu_use_fusion_emitters": False}
 
 
+# Compiled draws by (jaxpr, constants, layout, options), kept for the process: a second train
+# state of the same model (a benchmark's retry, the test suite's many small models) compiles
+# nothing new. Bounded: cleared when it grows past _MAX_PROGRAMS.
+_PROGRAMS: dict[Any, Any] = {}
+_MAX_PROGRAMS = 2048
+
+
 def cpu_compile_options() -> dict | None:
     flags = os.environ.get("XLA_FLAGS", "")
     return None if any(name in flags for name in CPU_COMPILE_OPTIONS) else CPU_COMPILE_OPTIONS
@@ -95,24 +102,28 @@ def init_params(model: nn.Module, inputs: tuple, rng: jax.Array, shardings: Any)
     key_data = [np.asarray(jax.random.key_data(flax_scope._fold_in_static(rng, d.suffix))) for d in draws]
     impl = jax.random.key_impl(rng)
 
-    # One program per distinct computation: a draw's jaxpr (its constants included) and layout.
+    # One program per distinct computation: a draw's jaxpr (its constants included), its layout
+    # and the compile options.
+    cpu = all(d.platform == "cpu" for s in by_path.values() for d in s.device_set)
+    options = cpu_compile_options() if cpu else None
+    if len(_PROGRAMS) > _MAX_PROGRAMS:
+        _PROGRAMS.clear()
     lowered: dict[Any, Any] = {}
     program_of = []
     for d, kd in zip(draws, key_data):
         def draw(kd, d=d):
             return nn.unbox(d.init(jax.random.wrap_key_data(kd, impl=impl)))
         closed = jax.make_jaxpr(draw)(kd)
-        sig = (str(closed), tuple(np.asarray(c).tobytes() for c in closed.consts), by_path[d.path])
-        if sig not in lowered:
+        sig = (str(closed), tuple(np.asarray(c).tobytes() for c in closed.consts), by_path[d.path],
+               tuple(sorted((options or {}).items())))
+        if sig not in _PROGRAMS and sig not in lowered:
             lowered[sig] = jax.jit(draw, out_shardings=by_path[d.path]).lower(kd)
         program_of.append(sig)
     # XLA compiles outside the GIL: the programs compile side by side.
-    cpu = all(d.platform == "cpu" for s in by_path.values() for d in s.device_set)
-    options = cpu_compile_options() if cpu else None
     with ThreadPoolExecutor(max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
-        compiled = dict(zip(lowered, pool.map(lambda low: low.compile(options), lowered.values())))
+        _PROGRAMS.update(zip(lowered, pool.map(lambda low: low.compile(options), lowered.values())))
 
-    flat = {d.path: compiled[sig](kd) for d, sig, kd in zip(draws, program_of, key_data)}
+    flat = {d.path: _PROGRAMS[sig](kd) for d, sig, kd in zip(draws, program_of, key_data)}
     return _unflatten(flat)
 
 

@@ -55,6 +55,19 @@ def test_state_matches_one_program(setup, flags, monkeypatch):
         assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(state.params))
 
 
+def test_a_second_state_compiles_no_draw(setup):
+    """The compiled draws are kept for the process (param_init._PROGRAMS); the key is their input,
+    so another seed draws other values from the same programs."""
+    tx, mesh = setup
+    model = ProLIP(MICRO, attention_impl="xla")
+    first, _ = S.create_train_state(model, tx, mesh, "fsdp", seed=5)
+    programs = len(param_init._PROGRAMS)
+    second, _ = S.create_train_state(model, tx, mesh, "fsdp", seed=6)
+    assert len(param_init._PROGRAMS) == programs
+    kernel = lambda state: np.asarray(state.params["visual"]["transformer"]["resblocks_0"]["c_fc"]["kernel"])  # noqa: E731
+    assert not np.array_equal(kernel(first), kernel(second))
+
+
 @pytest.mark.parametrize("variant", [dict(scan_layers=True), dict(remat="full")])
 def test_lifted_transforms_fall_back(setup, variant):
     """nn.scan splits the rng and nn.remat passes it through jax.checkpoint: record cannot tell
