@@ -104,9 +104,10 @@ class ModelOptions:
     attention_impl: Literal["auto", "xla", "cudnn"] = "auto"
     # False: on CPU the scanned step is 6-17% slower and B/16's compiled temporaries 1.7x (docs/performance.md)
     scan_layers: bool = False  # each tower's blocks as one nn.scan (models/layout.py): 4x faster B/16 compile
-    # GPU speed levers of the blocks, the same arithmetic (models/transformer.py BlockLevers;
-    # tests/test_speed_levers.py; docs/performance.md): the blocks on [B*T, D] token matrices, and
-    # the LayerNorms' backward reading the forward's row statistics.
+    # GPU speed levers of the blocks, the same arithmetic, one line per field of
+    # models/transformer.py BlockLevers (build_model passes them by name; tests/test_speed_levers.py;
+    # docs/performance.md): the blocks on [B*T, D] token matrices, and the LayerNorms' backward
+    # reading the forward's row statistics.
     flat_tokens: bool = False
     ln_saved_stats: bool = False
     init_logit_scale: float = PAPER_INIT_LOGIT_SCALE  # log a
@@ -216,8 +217,9 @@ def step_config(tc: TrainConfig) -> step_lib.StepConfig:
 def build_model(tc: TrainConfig, mcfg: ProLIPConfig) -> ProLIP:
     """The module the step runs: the towers of `mcfg` with config.model's compute options."""
     m = tc.model
+    levers = BlockLevers(**{f.name: getattr(m, f.name) for f in dataclasses.fields(BlockLevers)})
     return ProLIP(mcfg, dtype=jnp.dtype(m.dtype), attention_impl=m.attention_impl, remat=m.remat,
-                  scan_layers=m.scan_layers, levers=BlockLevers(m.flat_tokens, m.ln_saved_stats))
+                  scan_layers=m.scan_layers, levers=levers)
 
 
 def validate(tc: TrainConfig, mesh, mcfg: ProLIPConfig) -> None:
