@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import flax.core.scope as flax_scope
 import flax.linen as nn
+from flax import traverse_util
 import jax
 import numpy as np
 
@@ -95,7 +96,7 @@ def init_params(model: nn.Module, inputs: tuple, rng: jax.Array, shardings: Any)
     draws = record(model, *inputs)
     if draws is None:
         return None
-    by_path = {tuple(k.key for k in path): s for path, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+    by_path = traverse_util.flatten_dict(shardings)  # path tuple -> sharding
     if set(by_path) != {d.path for d in draws}:
         return None
     # The keys: Flax's own fold-in, computed once per parameter (one small cached program).
@@ -123,15 +124,4 @@ def init_params(model: nn.Module, inputs: tuple, rng: jax.Array, shardings: Any)
     with ThreadPoolExecutor(max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
         _PROGRAMS.update(zip(lowered, pool.map(lambda low: low.compile(options), lowered.values())))
 
-    flat = {d.path: _PROGRAMS[sig](kd) for d, sig, kd in zip(draws, program_of, key_data)}
-    return _unflatten(flat)
-
-
-def _unflatten(flat: dict[tuple[str, ...], Any]) -> dict:
-    tree: dict = {}
-    for path, value in flat.items():
-        node = tree
-        for name in path[:-1]:
-            node = node.setdefault(name, {})
-        node[path[-1]] = value
-    return tree
+    return traverse_util.unflatten_dict({d.path: _PROGRAMS[sig](kd) for d, sig, kd in zip(draws, program_of, key_data)})
