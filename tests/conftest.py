@@ -16,11 +16,18 @@ import pytest
 # `jax.jit(..., compiler_options=OPTIMIZED)`; a subprocess gets `xla_flags(devices)`.
 OPT_LEVEL_FLAG = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 OPTIMIZED = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}  # XLA's defaults
+# XLA:CPU ends the process (SIGABRT) when a collective's local participants have not all arrived
+# 40 s after the first (its default). The fake devices of one process take turns on 2 cores beside
+# the other pytest worker and the trainer subprocesses; on a loaded 2-core CI machine a pytest
+# worker died that way in an 8-device MSDA step (tests/test_methods.py), which is slowness, not a
+# lost peer: warn after 60 s (the warning names the collective), end the process after 10 minutes.
+COLLECTIVE_TIMEOUT_FLAGS = ("--xla_cpu_collective_call_warn_stuck_timeout_seconds=60 "
+                            "--xla_cpu_collective_call_terminate_timeout_seconds=600")
 
 
 def xla_flags(devices: int) -> str:
     """XLA_FLAGS for a test's subprocess: `devices` fake CPU devices, compiled as the suite is."""
-    return f"--xla_force_host_platform_device_count={devices} {OPT_LEVEL_FLAG}"
+    return f"--xla_force_host_platform_device_count={devices} {OPT_LEVEL_FLAG} {COLLECTIVE_TIMEOUT_FLAGS}"
 
 
 # Eight fake CPU devices for sharding tests, whoever runs pytest (`make test` drops a caller's own
