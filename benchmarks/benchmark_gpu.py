@@ -26,7 +26,7 @@ Every measurement is a subprocess with its own time limit; a failure, a timeout 
 needs CUDA, on another backend) is recorded with its reason, and the other parts go on.
 --deadline S stops starting work S seconds after the start (the `run` tool allows 10 minutes a
 command: split the plan with --parts over several calls and --merge their results.json here).
---tiny runs the same plan at test size (configs/tiny.py, a few steps, a small gallery).
+--tiny runs the same plan at test size (configs/tiny.py's micro towers, a few steps, a small gallery).
 
 This file is the command line and the order of the parts; beside it: gpu_plan.py (the plan's
 sizes and limits, the subprocess runner), gpu_parts.py (one function per part), gpu_report.py
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="folder for results.json, results.md, log.txt, profile.tar.gz")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--deadline", type=float, default=None, help="seconds after which nothing new starts")
-    p.add_argument("--tiny", action="store_true", help="the plan at test size (configs/tiny.py)")
+    p.add_argument("--tiny", action="store_true", help="the plan at test size (configs/tiny.py, size=micro)")
     p.add_argument("--timeout", type=int, default=None, help="seconds per subprocess (default: the plan's)")
     p.add_argument("--levers", default=None, help="comma-separated lever names (default: all; see XLA_LEVERS)")
     p.add_argument("--policies", default=None, help="comma-separated remat policies for max_batch (default: all)")

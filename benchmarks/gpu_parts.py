@@ -223,7 +223,10 @@ def trainer_rate(workdir: Path) -> dict:
 def part_e2e(plan: Plan, r: Runner, env: dict, step_part: dict | None) -> dict:
     from benchmark_step import load_config
 
+    from prolip_jax.train import model_config, parse_config
+
     config = load_config(plan.config)
+    vocab = model_config(parse_config(config)).text.vocab_size  # the tokenizer's size may not exceed it
     n = env.get("n_devices") or 1
     global_batch = plan.per_device_batch * n
     shards, tok = r.tmp / "shards", r.tmp / "tokenizer.model"
@@ -234,7 +237,8 @@ def part_e2e(plan: Plan, r: Runner, env: dict, step_part: dict | None) -> dict:
                        "image_size": config.data.image_size}}
     context = config.data.tokenizer.context_length
     tok_run = r.run("tokenizer", [sys.executable, "scripts/train_tokenizer.py", "--input", str(shards / "*.tar"),
-                                  "--output", str(tok), "--context_length", str(context)], timeout=300)
+                                  "--output", str(tok), "--context_length", str(context),
+                                  "--max_vocab_size", str(vocab)], timeout=300)
     runs = [made, tok_run]
     base = next((x for x in (step_part or {}).get("runs", [])[:1] if x["status"] == "ok"), None)
     if base is not None:

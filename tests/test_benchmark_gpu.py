@@ -145,7 +145,7 @@ def test_the_whole_plan_at_tiny_size_on_cpu(tmp_path):
     for heading in ("## Train step", "## Largest per-device batch", "## Levers", "## Beside PyTorch",
                     "## End to end", "## Evaluation speed"):
         assert heading in md
-    assert "`python benchmarks/benchmark_step.py --config configs/tiny.py:data=random --per-device-batch 8" in md
+    assert f"`python benchmarks/benchmark_step.py --config {benchmark_gpu.TINY_PLAN.config} --per-device-batch 8" in md
 
 
 @pytest.mark.parametrize("bad", ["a", "0", "8,-1"])
