@@ -21,7 +21,10 @@ install: $(VENV)/.installed
 # A pytest worker that dies (a crash in XLA) fails the run at once: pytest-xdist 3.8's
 # replacement worker can wait forever under --dist loadfile (pytest-dev/pytest-xdist#784, #1323).
 # A test still running after 15 minutes prints every thread's stack (it does not stop it).
+# The project's bytecode is compiled once first: the suite starts ~100 Python processes, and
+# where PYTHONDONTWRITEBYTECODE is set each would compile every module it imports again.
 test: $(VENV)/.installed
+	$(PY) -m compileall -q prolip_jax input_pipeline evaluators scripts benchmarks configs > /dev/null
 	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 -o faulthandler_timeout=900 --durations=25 tests
 
 # Optional: PyTorch round-trip tests (CPU wheel), skipped by `make test` when torch is absent.
