@@ -12,8 +12,8 @@ The key of each parameter is Flax's own: `Scope.make_rng('params')` folds the SH
 scope path and a counter into the root key (flax/core/scope.py `LazyRng`, `_fold_in_static`).
 `record` watches `Scope.param` while `model.init` is traced abstractly (no forward pass runs)
 and keeps each parameter's path, that static suffix and its initialiser. A model whose
-parameters are not all drawn that way is reported as not recordable, and `init_params` returns
-None so the caller compiles the plain `model.init`: under a lifted transform (`nn.scan`,
+parameters are not all drawn that way is reported as not recordable (no draws), and the
+caller compiles the plain `model.init`: under a lifted transform (`nn.scan`,
 `nn.remat`) the rng a parameter sees is a new traced value, whose relation to the root key
 cannot be read here, and an initialiser may read an input array.
 """
@@ -61,6 +61,13 @@ class Draw:
 def record(model: nn.Module, *inputs: Any) -> list[Draw] | None:
     """Every parameter `model.init(rng, *inputs)` creates, in creation order; None when some
     parameter's key is not Flax's fold-in of the root key or its initialiser reads an array."""
+    return trace(model, *inputs)[0]
+
+
+def trace(model: nn.Module, *inputs: Any) -> tuple[list[Draw] | None, Any]:
+    """(`record`'s draws, the abstract variables `model.init(rng, *inputs)` returns, boxed): one
+    abstract trace gives both, so the caller need not trace `model.init` again for the shapes
+    and logical axes (step.state_shardings)."""
     draws: list[Draw] = []
     recordable = True
     root: list[jax.Array] = []
@@ -84,18 +91,16 @@ def record(model: nn.Module, *inputs: Any) -> list[Draw] | None:
 
     flax_scope.Scope.param = param
     try:
-        jax.eval_shape(init, jax.random.key(0))
+        variables = jax.eval_shape(init, jax.random.key(0))
     finally:
         flax_scope.Scope.param = original
-    return draws if recordable else None
+    return (draws if recordable else None), variables
 
 
-def init_params(model: nn.Module, inputs: tuple, rng: jax.Array, shardings: Any) -> Any | None:
+def draw_params(draws: list[Draw], rng: jax.Array, shardings: Any) -> Any | None:
     """`nn.unbox(model.init(rng, *inputs)["params"])` laid out as `shardings` (a tree of the
-    params' shardings), drawn parameter by parameter; None when `record` cannot follow the model."""
-    draws = record(model, *inputs)
-    if draws is None:
-        return None
+    params' shardings), drawn parameter by parameter from `record`'s draws of that model; None
+    when the draws do not cover exactly the parameters of `shardings`."""
     by_path = traverse_util.flatten_dict(shardings)  # path tuple -> sharding
     if set(by_path) != {d.path for d in draws}:
         return None

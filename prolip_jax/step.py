@@ -157,8 +157,10 @@ class StepConfig:
 def create_train_state(model: ProLIP, tx: optax.GradientTransformation, mesh: Mesh, rules: Any,
                        seed: int) -> tuple[TrainState, TrainState]:
     """(state, state shardings): parameters are created already sharded (jit with out_shardings)."""
-    shardings = state_shardings(model, tx, mesh, rules)
-    params = param_init.init_params(model, dummy_inputs(model.config), jax.random.key(seed), shardings.params)
+    # One abstract trace of model.init: the parameters' draws and their boxed shapes (the shardings).
+    draws, variables = param_init.trace(model, *dummy_inputs(model.config))
+    shardings = state_shardings(model, tx, mesh, rules, variables["params"])
+    params = None if draws is None else param_init.draw_params(draws, jax.random.key(seed), shardings.params)
     if params is None:  # a model param_init cannot follow (e.g. scanned layers): one program
         return jax.jit(_init_fn(model, tx), out_shardings=shardings)(jax.random.key(seed)), shardings
     state = jax.jit(_state_from_params(tx), out_shardings=shardings, donate_argnums=0)(params)
@@ -188,9 +190,13 @@ def abstract_train_state(model: ProLIP, tx: optax.GradientTransformation, shardi
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
-def state_shardings(model: ProLIP, tx: optax.GradientTransformation, mesh: Mesh, rules: Any) -> TrainState:
-    images, tokens = dummy_inputs(model.config)
-    boxed = jax.eval_shape(lambda r: model.init(r, images, tokens)["params"], jax.random.key(0))
+def state_shardings(model: ProLIP, tx: optax.GradientTransformation, mesh: Mesh, rules: Any,
+                    boxed: Any = None) -> TrainState:
+    """The train state's shardings; `boxed`: the model's abstract params with their logical axes
+    (`model.init`'s, as param_init.trace gives them), traced here when not given."""
+    if boxed is None:
+        images, tokens = dummy_inputs(model.config)
+        boxed = jax.eval_shape(lambda r: model.init(r, images, tokens)["params"], jax.random.key(0))
     param_sh = sharding.logical_shardings(boxed, mesh, rules)
     replicated = NamedSharding(mesh, P())
     abstract_opt = jax.eval_shape(tx.init, nn.unbox(boxed))

@@ -503,13 +503,13 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
     if stop_at_step is not None and stop_at_step <= (start or 0):
         raise ValueError(f"--stop_at_step={stop_at_step}: the run in {workdir} is already at step {start}")
     tx, schedule = make_optimizer(start or 0)
-    state_sh = step_lib.state_shardings(model, tx, mesh, run.sharding_rules)
     if start is None:
-        state, _ = step_lib.create_train_state(model, tx, mesh, run.sharding_rules, run.seed)
+        state, state_sh = step_lib.create_train_state(model, tx, mesh, run.sharding_rules, run.seed)
         start = 0
         if apply_warm_start is not None:
             state = warm_started(state, apply_warm_start, state_sh, workdir, is_chief)
     else:
+        state_sh = step_lib.state_shardings(model, tx, mesh, run.sharding_rules)
         state = restore(mngr, start, model, tx, state_sh, mesh, tc, param_shapes, data)
         if is_chief:
             print(f"resumed from {workdir / 'checkpoints' / str(start)} (step {start})", flush=True)
