@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 from prolip_jax import checkpoint, convert, train
 from prolip_jax.metrics import read_jsonl
@@ -89,6 +89,27 @@ def test_finetune_from_clip_with_the_image_tower_locked(tmp_path, clip_dir):
     assert not np.array_equal(resumed["visual/transformer/resblocks_1/c_fc/kernel"],
                               last["visual/transformer/resblocks_1/c_fc/kernel"])
     assert not (tmp_path / "ft" / "warm_start.txt").exists()
+
+
+def test_a_warm_start_that_imports_a_nan_is_never_saved(tmp_path, clip_dir):
+    """The state's finiteness is checked once when it did not come from a random init (train.py
+    `save`): a NaN in the imported weights stops the run at its first save, with nothing saved."""
+    source_dir, _ = clip_dir
+    bad = tmp_path / "bad_clip"
+    bad.mkdir()
+    weights = load_file(str(source_dir / "open_clip_model.safetensors"))
+    name = next(k for k in sorted(weights) if k.startswith("transformer.") and k.endswith("mlp.c_fc.weight"))
+    weights[name][0, 0] = np.nan  # a text-tower weight, so the image tower locked below stays clean
+    save_file(weights, str(bad / "open_clip_model.safetensors"))
+    (bad / "open_clip_config.json").write_text((source_dir / "open_clip_config.json").read_text())
+    cfg = train.with_defaults(tiny_config(tmp_path, **{
+        "model.variant": "tiny", "data.image_size": 32, "total_steps": 16, "optim.warmup_steps": 2,
+        "checkpoint_steps": 1}))
+    cfg.init.path, cfg.optim.locked = str(bad), ("^visual/",)
+    cfg.data.demo = dict(cfg.data.demo, image_size=32, num_train=400)
+    with pytest.raises(FloatingPointError, match="the train state at step 1 is not finite; not saving it"):
+        train.train(cfg, str(tmp_path / "ft"))
+    assert not list((tmp_path / "ft" / "checkpoints").glob("[0-9]*"))
 
 
 @pytest.mark.parametrize("recipe, source_arch", [
