@@ -226,7 +226,7 @@ def part_e2e(plan: Plan, r: Runner, env: dict, step_part: dict | None) -> dict:
     from prolip_jax.train import model_config, parse_config
 
     config = load_config(plan.config)
-    vocab = model_config(parse_config(config)).text.vocab_size  # the tokenizer's size may not exceed it
+    mcfg = model_config(parse_config(config))
     n = env.get("n_devices") or 1
     global_batch = plan.per_device_batch * n
     shards, tok = r.tmp / "shards", r.tmp / "tokenizer.model"
@@ -238,7 +238,8 @@ def part_e2e(plan: Plan, r: Runner, env: dict, step_part: dict | None) -> dict:
     context = config.data.tokenizer.context_length
     tok_run = r.run("tokenizer", [sys.executable, "scripts/train_tokenizer.py", "--input", str(shards / "*.tar"),
                                   "--output", str(tok), "--context_length", str(context),
-                                  "--max_vocab_size", str(vocab)], timeout=300)
+                                  "--max_vocab_size", str(mcfg.text.vocab_size)],  # a tokenizer may not exceed it
+                  timeout=300)
     runs = [made, tok_run]
     base = next((x for x in (step_part or {}).get("runs", [])[:1] if x["status"] == "ok"), None)
     if base is not None:
@@ -258,7 +259,7 @@ def part_e2e(plan: Plan, r: Runner, env: dict, step_part: dict | None) -> dict:
     # cache, where one is set), so what differs between them is the input alone.
     mask = "--config.masking.mask_token_id=3"
     runs.append(trainer("trainer, data.source=random", r.tmp / "train_random", "--config.data.source=random", mask))
-    runs[-1]["random_batch_host_s"] = random_batch_seconds(global_batch, config)
+    runs[-1]["random_batch_host_s"] = random_batch_seconds(global_batch, mcfg)
     if tok_run["status"] == "ok":
         for w in plan.workers:
             runs.append(trainer(f"trainer, tar shards, {w} workers", r.tmp / f"train_tar_{w}",
@@ -274,14 +275,12 @@ def part_e2e(plan: Plan, r: Runner, env: dict, step_part: dict | None) -> dict:
     return out
 
 
-def random_batch_seconds(global_batch: int, config) -> float | None:
-    """Host seconds to make one data.source=random batch (uint8 images drawn each step): the
-    synthetic run's own input cost, to read its samples/s against."""
+def random_batch_seconds(global_batch: int, mcfg) -> float | None:
+    """Host seconds to make one data.source=random batch (uint8 images drawn each step) of the
+    model config `mcfg`: the synthetic run's own input cost, to read its samples/s against."""
     try:
         from prolip_jax.data import RandomBatches
-        from prolip_jax.train import model_config, parse_config
 
-        mcfg = model_config(parse_config(config))
         it = RandomBatches(global_batch, mcfg.vision.image_size, mcfg.text.context_length, mcfg.text.vocab_size,
                            process_index=0, process_count=1)
         next(it)

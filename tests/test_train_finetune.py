@@ -45,12 +45,18 @@ def clip_dir(tmp_path_factory):
     return d, _flat(params)
 
 
-def test_finetune_from_clip_with_the_image_tower_locked(tmp_path, clip_dir):
-    source_dir, source = clip_dir
+def _finetune_config(tmp_path, source_dir, **overrides):
+    """The `tiny` ProLIP warm-started from `source_dir`, its image tower locked, 16 steps."""
     cfg = train.with_defaults(tiny_config(tmp_path, **{
-        "model.variant": "tiny", "data.image_size": 32, "total_steps": 16, "optim.warmup_steps": 2}))
+        "model.variant": "tiny", "data.image_size": 32, "total_steps": 16, "optim.warmup_steps": 2, **overrides}))
     cfg.init.path, cfg.optim.locked = str(source_dir), ("^visual/",)
     cfg.data.demo = dict(cfg.data.demo, image_size=32, num_train=400)
+    return cfg
+
+
+def test_finetune_from_clip_with_the_image_tower_locked(tmp_path, clip_dir):
+    source_dir, source = clip_dir
+    cfg = _finetune_config(tmp_path, source_dir)
     train.train(cfg, str(tmp_path / "ft"))
     ckpts = tmp_path / "ft" / "checkpoints"
 
@@ -102,11 +108,7 @@ def test_a_warm_start_that_imports_a_nan_is_never_saved(tmp_path, clip_dir):
     weights[name][0, 0] = np.nan  # a text-tower weight, so the image tower locked below stays clean
     save_file(weights, str(bad / "open_clip_model.safetensors"))
     (bad / "open_clip_config.json").write_text((source_dir / "open_clip_config.json").read_text())
-    cfg = train.with_defaults(tiny_config(tmp_path, **{
-        "model.variant": "tiny", "data.image_size": 32, "total_steps": 16, "optim.warmup_steps": 2,
-        "checkpoint_steps": 1}))
-    cfg.init.path, cfg.optim.locked = str(bad), ("^visual/",)
-    cfg.data.demo = dict(cfg.data.demo, image_size=32, num_train=400)
+    cfg = _finetune_config(tmp_path, bad, checkpoint_steps=1)
     with pytest.raises(FloatingPointError, match="the train state at step 1 is not finite; not saving it"):
         train.train(cfg, str(tmp_path / "ft"))
     assert not list((tmp_path / "ft" / "checkpoints").glob("[0-9]*"))
