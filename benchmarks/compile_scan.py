@@ -26,7 +26,8 @@ import time  # noqa: E402
 
 
 def build(config_arg: str, batch: int, scan: bool, overrides: list[str]):
-    """(jitted step, model, tx, mesh, state shardings, batch shapes) of a config with scan_layers."""
+    """(jitted step, model, tx, mesh, state shardings, batch shapes, typed config, the model traced:
+    step.ParamTrace) of a config with scan_layers."""
     import jax
     import numpy as np
 
@@ -45,13 +46,14 @@ def build(config_arg: str, batch: int, scan: bool, overrides: list[str]):
     mesh = sharding.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), jax.devices()[:1])
     model = build_model(tc, mcfg).clone(scan_layers=scan)
     tx, schedule = optim.make_optimizer(tc.optim, tc.run.total_steps)
-    state_sh = step_lib.state_shardings(model, tx, mesh, tc.run.sharding_rules)
+    traced = step_lib.trace_params(model)
+    state_sh = step_lib.state_shardings(traced.boxed, tx, mesh, tc.run.sharding_rules)
     s, length = mcfg.vision.image_size, mcfg.text.context_length
     batch_sh = {"image": jax.ShapeDtypeStruct((batch, s, s, 3), np.uint8, sharding=sharding.batch_sharding(mesh, 4)),
                 "text": jax.ShapeDtypeStruct((batch, length), np.int32, sharding=sharding.batch_sharding(mesh, 2))}
     step = jax.jit(step_lib.make_train_step(model, tx, schedule, scfg, mesh, batch, rules=tc.run.sharding_rules),
                    in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0)
-    return step, model, tx, mesh, state_sh, batch_sh, tc
+    return step, model, tx, mesh, state_sh, batch_sh, tc, traced
 
 
 def compile_one(config_arg: str, batch: int, scan: bool, overrides: list[str]) -> dict:
@@ -59,8 +61,8 @@ def compile_one(config_arg: str, batch: int, scan: bool, overrides: list[str]) -
 
     from prolip_jax import step as step_lib
 
-    step, model, tx, _, state_sh, batch_sh, _ = build(config_arg, batch, scan, overrides)
-    abstract = step_lib.abstract_train_state(model, tx, state_sh)
+    step, _, tx, _, state_sh, batch_sh, _, traced = build(config_arg, batch, scan, overrides)
+    abstract = step_lib.abstract_train_state(traced.boxed, tx, state_sh)
     t0 = time.perf_counter()
     lowered = step.lower(abstract, batch_sh)
     t1 = time.perf_counter()
@@ -83,9 +85,10 @@ def step_times(config_arg: str, batch: int, repeats: int, overrides: list[str]) 
 
     runs, state = {}, None
     for scan in (False, True):
-        step, model, tx, mesh, state_sh, batch_sh, tc = build(config_arg, batch, scan, overrides)
+        step, model, tx, mesh, state_sh, batch_sh, tc, traced = build(config_arg, batch, scan, overrides)
         if state is None:  # one initial state (on the host), converted: both layouts train the same numbers
-            state = jax.device_get(step_lib.create_train_state(model, tx, mesh, tc.run.sharding_rules, tc.run.seed)[0])
+            state = jax.device_get(step_lib.create_train_state(model, tx, mesh, tc.run.sharding_rules, tc.run.seed,
+                                                                  traced)[0])
         s = jax.device_put(state.replace(params=to_layout(state.params, scan),
                                          opt_state=to_layout((state.params, state.opt_state), scan)[1]), state_sh)
         rng = np.random.default_rng(0)

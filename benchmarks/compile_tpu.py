@@ -179,7 +179,6 @@ def build_step(config: Any, devices: list[Any], mcfg: Any = None, constraints: b
     from prolip_jax import flops as flops_lib
     from prolip_jax import optim, sharding
     from prolip_jax import step as step_lib
-    from prolip_jax.models import abstract_params
     from prolip_jax.train import build_model, model_config, step_config, validate, parse_config
 
     tc = parse_config(config)
@@ -188,11 +187,12 @@ def build_step(config: Any, devices: list[Any], mcfg: Any = None, constraints: b
     validate(tc, mesh, mcfg)  # the trainer's checks: batch layout over the mesh, sizes, combinations
     scfg = step_config(tc)
     model = build_model(tc, mcfg)
-    param_shapes = abstract_params(mcfg, scan_layers=tc.model.scan_layers)
+    traced = step_lib.trace_params(model)  # model.init traced once: shapes, logical axes
+    param_shapes = traced.shapes
     optim_cfg = tc.optim
     tx, schedule = optim.make_optimizer(optim_cfg, config.total_steps, param_shapes, step=0)
-    state_sh = step_lib.state_shardings(model, tx, mesh, config.sharding_rules)
-    state = step_lib.abstract_train_state(model, tx, state_sh)
+    state_sh = step_lib.state_shardings(traced.boxed, tx, mesh, config.sharding_rules)
+    state = step_lib.abstract_train_state(traced.boxed, tx, state_sh)
     trainable = optim.trainable_mask(param_shapes, optim_cfg, 0)
     b = config.batch_size
     # The trainer's step: the activation constraints under config.sharding_rules (step.make_train_step).

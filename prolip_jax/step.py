@@ -154,13 +154,32 @@ class StepConfig:
 
 
 # --------------------------------------------------------------------------------- state
-def create_train_state(model: ProLIP, tx: optax.GradientTransformation, mesh: Mesh, rules: Any,
-                       seed: int) -> tuple[TrainState, TrainState]:
-    """(state, state shardings): parameters are created already sharded (jit with out_shardings)."""
-    # One abstract trace of model.init: the parameters' draws and their boxed shapes (the shardings).
+@dataclasses.dataclass(frozen=True)
+class ParamTrace:
+    """One abstract trace of `model.init` (no forward pass runs): what a train state, its
+    shardings and a restore target need, so that none of them traces the model again."""
+    draws: list[param_init.Draw] | None  # param_init.record's draws; None: it cannot follow the model
+    boxed: Any  # the abstract params with their logical axes (nn.Partitioned boxes)
+
+    @property
+    def shapes(self) -> Any:
+        """The params' ShapeDtypeStructs, unboxed."""
+        return nn.unbox(self.boxed)
+
+
+def trace_params(model: ProLIP) -> ParamTrace:
     draws, variables = param_init.trace(model, *dummy_inputs(model.config))
-    shardings = state_shardings(model, tx, mesh, rules, variables["params"])
-    params = None if draws is None else param_init.draw_params(draws, jax.random.key(seed), shardings.params)
+    return ParamTrace(draws, variables["params"])
+
+
+def create_train_state(model: ProLIP, tx: optax.GradientTransformation, mesh: Mesh, rules: Any,
+                       seed: int, traced: ParamTrace | None = None) -> tuple[TrainState, TrainState]:
+    """(state, state shardings): parameters are created already sharded (jit with out_shardings).
+    `traced`: the model's `trace_params`, traced here when not given."""
+    traced = traced or trace_params(model)
+    shardings = state_shardings(traced.boxed, tx, mesh, rules)
+    params = None if traced.draws is None else param_init.draw_params(traced.draws, jax.random.key(seed),
+                                                                      shardings.params)
     if params is None:  # a model param_init cannot follow (e.g. scanned layers): one program
         return jax.jit(_init_fn(model, tx), out_shardings=shardings)(jax.random.key(seed)), shardings
     state = jax.jit(_state_from_params(tx), out_shardings=shardings, donate_argnums=0)(params)
@@ -184,19 +203,16 @@ def _state_from_params(tx: optax.GradientTransformation) -> Callable[[Any], Trai
     return state
 
 
-def abstract_train_state(model: ProLIP, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
-    """ShapeDtypeStructs of the train state carrying `shardings` (the target of a restore)."""
-    shapes = jax.eval_shape(_init_fn(model, tx), jax.random.key(0))
+def abstract_train_state(boxed: Any, tx: optax.GradientTransformation, shardings: TrainState) -> TrainState:
+    """ShapeDtypeStructs of the train state carrying `shardings` (the target of a restore);
+    `boxed`: the model's abstract params (`ParamTrace.boxed`)."""
+    shapes = jax.eval_shape(_state_from_params(tx), nn.unbox(boxed))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
-def state_shardings(model: ProLIP, tx: optax.GradientTransformation, mesh: Mesh, rules: Any,
-                    boxed: Any = None) -> TrainState:
+def state_shardings(boxed: Any, tx: optax.GradientTransformation, mesh: Mesh, rules: Any) -> TrainState:
     """The train state's shardings; `boxed`: the model's abstract params with their logical axes
-    (`model.init`'s, as param_init.trace gives them), traced here when not given."""
-    if boxed is None:
-        images, tokens = dummy_inputs(model.config)
-        boxed = jax.eval_shape(lambda r: model.init(r, images, tokens)["params"], jax.random.key(0))
+    (`ParamTrace.boxed`)."""
     param_sh = sharding.logical_shardings(boxed, mesh, rules)
     replicated = NamedSharding(mesh, P())
     abstract_opt = jax.eval_shape(tx.init, nn.unbox(boxed))

@@ -47,7 +47,7 @@ from prolip_jax import paths, peers
 from prolip_jax import step as step_lib
 from prolip_jax.data import build_train_data
 from prolip_jax.metrics import MetricWriter
-from prolip_jax.models import ProLIP, ProLIPConfig, abstract_params, get_config
+from prolip_jax.models import ProLIP, ProLIPConfig, get_config
 from prolip_jax.models import layout
 from prolip_jax.models.config import PAPER_INIT_LOGIT_SCALE
 from prolip_jax.models.transformer import REMAT_POLICIES, BlockLevers
@@ -329,19 +329,20 @@ def warm_started(state: step_lib.TrainState, apply: Any, shardings: step_lib.Tra
 
 
 def restore(mngr: ocp.CheckpointManager, step: int, model: ProLIP, tx: Any, shardings: step_lib.TrainState,
-            mesh: Any, tc: TrainConfig, param_shapes: Any, data: Any) -> step_lib.TrainState:
+            mesh: Any, tc: TrainConfig, traced: step_lib.ParamTrace, data: Any) -> step_lib.TrainState:
     """The train state saved at `step`, on this run's mesh and optimiser. Fine-tuning controls
     (lock, groups, layer_decay) set the optimiser state's layout: a checkpoint saved under other
-    ones is restored in its own layout, then its Adam moments move over by parameter path."""
+    ones is restored in its own layout, then its Adam moments move over by parameter path.
+    `traced`: the run's model traced (step.trace_params)."""
     saved_cfg = ckpt_lib.load_config(mngr.directory, step)[1].get("train_config", {})
     saved = saved_cfg.get("optim", {})
     # A checkpoint of the other block layout (model.scan_layers) is restored in its own, then converted.
     scanned = bool(saved_cfg.get("model", {}).get("scan_layers", False))
-    saved_model = model.clone(scan_layers=scanned)
-    param_shapes = layout.to_layout(param_shapes, scanned)
-    saved_tx, _ = optim.make_optimizer(tc.optim.with_layout_of(saved), tc.run.total_steps, param_shapes, step=step)
-    saved_sh = step_lib.state_shardings(saved_model, saved_tx, mesh, tc.run.sharding_rules)
-    state = ckpt_lib.restore_train_state(mngr, step, step_lib.abstract_train_state(saved_model, saved_tx, saved_sh),
+    if scanned != model.scan_layers:
+        traced = step_lib.trace_params(model.clone(scan_layers=scanned))
+    saved_tx, _ = optim.make_optimizer(tc.optim.with_layout_of(saved), tc.run.total_steps, traced.shapes, step=step)
+    saved_sh = step_lib.state_shardings(traced.boxed, saved_tx, mesh, tc.run.sharding_rules)
+    state = ckpt_lib.restore_train_state(mngr, step, step_lib.abstract_train_state(traced.boxed, saved_tx, saved_sh),
                                          data)
     if scanned != model.scan_layers:
         params, opt_state = layout.to_layout((state.params, state.opt_state), model.scan_layers)
@@ -471,7 +472,8 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
     tc.profile.check(run.total_steps)
     scfg = step_config(tc)
     model = build_model(tc, mcfg)
-    param_shapes = abstract_params(mcfg, scan_layers=tc.model.scan_layers)
+    traced = step_lib.trace_params(model)  # model.init traced once: shapes, logical axes, draws
+    param_shapes = traced.shapes
     # The optimiser depends on the step (a locked tower unlocks at optim.unlock_step), so it is
     # built once the step to start from is known.
     make_optimizer = lambda step: optim.make_optimizer(  # noqa: E731
@@ -505,13 +507,13 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
     tx, schedule = make_optimizer(start or 0)
     random_init = start is None and apply_warm_start is None
     if start is None:
-        state, state_sh = step_lib.create_train_state(model, tx, mesh, run.sharding_rules, run.seed)
+        state, state_sh = step_lib.create_train_state(model, tx, mesh, run.sharding_rules, run.seed, traced)
         start = 0
         if apply_warm_start is not None:
             state = warm_started(state, apply_warm_start, state_sh, workdir, is_chief)
     else:
-        state_sh = step_lib.state_shardings(model, tx, mesh, run.sharding_rules)
-        state = restore(mngr, start, model, tx, state_sh, mesh, tc, param_shapes, data)
+        state_sh = step_lib.state_shardings(traced.boxed, tx, mesh, run.sharding_rules)
+        state = restore(mngr, start, model, tx, state_sh, mesh, tc, traced, data)
         if is_chief:
             print(f"resumed from {workdir / 'checkpoints' / str(start)} (step {start})", flush=True)
     if is_chief:  # clu.parameter_overview's table to WORKDIR/parameters.txt, one line here (overview.py)
@@ -662,7 +664,7 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
             profiler.after_step(step, (state, metrics))
             if step in rebuild_at:  # optim.unlock_step: the locked parameters join the optimiser
                 tx, schedule = make_optimizer(step)
-                state_sh = step_lib.state_shardings(model, tx, mesh, run.sharding_rules)
+                state_sh = step_lib.state_shardings(traced.boxed, tx, mesh, run.sharding_rules)
                 state = with_optimizer(state, tx, state_sh)
                 train_step = compile_step(step)
                 step_flops = count_step_flops(step)

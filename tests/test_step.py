@@ -54,7 +54,7 @@ def run(setup, initial, shape, rules, microbatches=1, batch=None, steps=1, ppcl_
     model, tx, schedule, default_batch = setup
     n = math.prod(shape)
     mesh = sharding.make_mesh(shape, ("data", "fsdp", "tensor"), jax.devices()[:n])
-    state = jax.device_put(initial, S.state_shardings(model, tx, mesh, rules))
+    state = jax.device_put(initial, S.state_shardings(S.trace_params(model).boxed, tx, mesh, rules))
     key = (shape, rules, microbatches, ppcl_impl)
     if key not in _COMPILED:
         cfg = dataclasses.replace(CFG, microbatches=microbatches,

@@ -6,13 +6,16 @@ One real run of `configs/tiny.py` with the micro model on a small generated demo
 from __future__ import annotations
 
 import json
+from unittest import mock
 
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
 
 from prolip_jax import checkpoint, train
 from prolip_jax.metrics import read_jsonl
+from prolip_jax.models import ProLIP
 from input_pipeline import tokenizer_files
 
 N = 3  # steps before the interruption
@@ -52,8 +55,13 @@ def runs(tmp_path_factory):
     # The best step by top-1 (any metric works; the reference's --save-best-unc is unc_corr_csd, "min").
     cfg.keep_best = dict(metric="eval/zeroshot/object/top1_csd", mode="max", baseline=-1.0)
     straight = train.train(cfg, str(tmp / "straight"))
-    interrupted = train.train(tiny_config(tmp), str(tmp / "resumed"), stop_at_step=N)
-    resumed = train.train(tiny_config(tmp), str(tmp / "resumed"))
+    inits = []  # how often each run traces model.init (the shapes, shardings and draws share one trace)
+    with mock.patch.object(ProLIP, "init", autospec=True, side_effect=lambda *a, **k: inits.append(1) or
+                           nn.Module.init(*a, **k)):
+        interrupted = train.train(tiny_config(tmp), str(tmp / "resumed"), stop_at_step=N)
+        interrupted["model.init traces"], inits[:] = len(inits), []
+        resumed = train.train(tiny_config(tmp), str(tmp / "resumed"))
+        resumed["model.init traces"] = len(inits)
     return tmp, straight, interrupted, resumed
 
 
@@ -75,6 +83,8 @@ def test_resume_gives_identical_parameters_and_batches(runs):
     lb = {r["step"]: r["loss"] for r in read_jsonl(str(tmp / "resumed" / "metrics.jsonl"))}
     assert sorted(lb) == list(range(1, 2 * N + 1))  # each step logged once across the restart
     assert la == lb
+    # A fresh start and a restore each trace model.init once (step.trace_params).
+    assert interrupted["model.init traces"] == resumed["model.init traces"] == 1
 
 
 def test_metrics_contents(runs):
