@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from prolip_jax.models.config import ProLIPConfig
+from prolip_jax.models.layout import to_layout
 from prolip_jax.models.text import TextTower
 from prolip_jax.models.transformer import BlockLevers, constant
 from prolip_jax.models.vit import VisionTower
@@ -90,8 +91,18 @@ def dummy_inputs(config: ProLIPConfig, batch: int = 1) -> tuple[jax.Array, jax.A
 
 def abstract_params(config: ProLIPConfig, scan_layers: bool = False) -> dict:
     """Parameter shapes/dtypes without allocating (for counting and shape checks), in the
-    unrolled or the scanned layout (models/layout.py)."""
-    return jax.eval_shape(lambda r: init_params(config, r, scan_layers=scan_layers), jax.random.key(0))
+    unrolled or the scanned layout (models/layout.py). A deep model is traced scanned either way,
+    one block per tower whatever the depth (ViT-H/14's shapes in 0.16 s instead of 1.1 s on a
+    CPU), then unrolled by `to_layout`, its dicts' keys sorted as jax gives a traced tree's; up to
+    SCAN_TRACE_MIN_LAYERS - 1 blocks the unrolled trace is the quicker (nn.scan's own tracing
+    costs about what four small blocks do)."""
+    if scan_layers or max(config.vision.layers, config.text.layers) < SCAN_TRACE_MIN_LAYERS:
+        return jax.eval_shape(lambda r: init_params(config, r, scan_layers=scan_layers), jax.random.key(0))
+    scanned = abstract_params(config, scan_layers=True)
+    return jax.tree.map(lambda x: x, to_layout(scanned, False))
+
+
+SCAN_TRACE_MIN_LAYERS = 5
 
 
 def count_params(params: Any) -> int:
