@@ -15,7 +15,8 @@ A skipped step's non-finite values are left out of the mean and the max (its upd
 applied; `nonfinite` counts it); a key with no finite value in the window comes out NaN.
 The keys are whatever the train step returns, read from its first call.
 """
-from typing import Any, Mapping
+import functools
+from typing import Any, Callable, Mapping
 
 import flax
 import jax
@@ -99,6 +100,18 @@ def collection_type(keys: Any) -> tuple[type, dict[str, str]]:
         field: METRIC_TYPES[reduction(key)].from_output(key) for field, key in fields.items()}), fields
 
 
+@functools.lru_cache(maxsize=16)
+def _programs(keys: tuple[str, ...], out_sharding: Any) -> tuple[dict[str, str], Callable, Callable, Callable]:
+    """(field -> key, start, add, compute): a window's jitted programs, shared by every Window of
+    these keys in the process (a second run of the same trainer compiles none of them again)."""
+    cls, fields = collection_type(keys)
+    start = jax.jit(lambda m: cls.single_from_model_output(**m), out_shardings=out_sharding)
+    add = jax.jit(lambda acc, m: acc.merge(cls.single_from_model_output(**m)),
+                  donate_argnums=0, out_shardings=out_sharding)
+    compute = jax.jit(lambda acc: acc.compute(), out_shardings=out_sharding)
+    return fields, start, add, compute
+
+
 class Window:
     """Accumulates the train step's metric dicts on device; see the module docstring.
 
@@ -116,12 +129,7 @@ class Window:
         self.steps = 0  # steps added since the last result()
 
     def _build(self, keys: Any) -> None:
-        cls, self._fields = collection_type(keys)
-        sh = self._out_sharding
-        self._start = jax.jit(lambda m: cls.single_from_model_output(**m), out_shardings=sh)
-        self._add = jax.jit(lambda acc, m: acc.merge(cls.single_from_model_output(**m)),
-                            donate_argnums=0, out_shardings=sh)
-        self._compute = jax.jit(lambda acc: acc.compute(), out_shardings=sh)
+        self._fields, self._start, self._add, self._compute = _programs(tuple(sorted(keys)), self._out_sharding)
 
     def add(self, metrics: Mapping[str, jax.Array]) -> None:
         """Merges one step's metrics (scalars) into the window: dispatched, not waited for."""
