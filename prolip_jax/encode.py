@@ -9,6 +9,7 @@ the same float32 numpy arrays. `prolip_jax.load` and every evaluator encode thro
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable, Iterable, Iterator
 
@@ -21,6 +22,23 @@ from prolip_jax.models.prolip import ProLIP
 from prolip_jax.normalization import normalize_on_device
 
 Progress = Callable[[int], None]
+
+
+@functools.lru_cache(maxsize=8)
+def _programs(model: ProLIP, normalization: str, shard: NamedSharding) -> dict[str, Callable]:
+    """The jitted towers of `model` on `shard`'s devices, shared by every Encoder of the same
+    model, normalisation and devices: a run's evaluators (and `scripts/evaluate.py`'s) each
+    hold an Encoder, and each compiled its towers again for the same block shape."""
+    def image_fn(params, images, keep_idx=None):
+        if images.dtype == jnp.uint8:
+            images = normalize_on_device(images, normalization)
+        return model.apply({"params": params}, images, keep_idx, method=ProLIP.encode_image)
+
+    def text_fn(params, tokens):
+        return model.apply({"params": params}, tokens, method=ProLIP.encode_text)
+
+    # One sharding for every output leaf: log sigma^2 is None for a tower without [UNC].
+    return {"image": jax.jit(image_fn, out_shardings=shard), "text": jax.jit(text_fn, out_shardings=shard)}
 
 
 class Encoder:
@@ -43,18 +61,7 @@ class Encoder:
         self.last_throughput = 0.0
         self._placed = None  # (params given, params placed on this encoder's devices)
         self._shard = NamedSharding(self.mesh, P("batch"))
-
-        def image_fn(params, images, keep_idx=None):
-            if images.dtype == jnp.uint8:
-                images = normalize_on_device(images, normalization)
-            return model.apply({"params": params}, images, keep_idx, method=ProLIP.encode_image)
-
-        def text_fn(params, tokens):
-            return model.apply({"params": params}, tokens, method=ProLIP.encode_text)
-
-        # One sharding for every output leaf: log sigma^2 is None for a tower without [UNC].
-        self._fns = {"image": jax.jit(image_fn, out_shardings=self._shard),
-                     "text": jax.jit(text_fn, out_shardings=self._shard)}
+        self._fns = _programs(model, normalization, self._shard)
 
     # ---- inputs ------------------------------------------------------------------------
     def images(self, params: Any, images: np.ndarray, progress: Progress | None = None,
