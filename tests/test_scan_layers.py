@@ -109,13 +109,13 @@ def test_deep_abstract_params_are_the_unrolled_trace(variant):
     """`abstract_params` traces a deep model scanned and unrolls the shapes: the same tree as the
     unrolled trace, key order included (the heads' forks and duplicated blocks at depth 6)."""
     from flax import traverse_util
-    from prolip_jax.models.prolip import SCAN_TRACE_MIN_LAYERS, init_params
+    from prolip_jax.models.prolip import SCAN_TRACE_MIN_LAYERS, dummy_inputs
 
     cfg = get_config(variant)
     deep = max(SCAN_TRACE_MIN_LAYERS, 6)
     cfg = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, layers=max(cfg.vision.layers, deep)),
                               text=dataclasses.replace(cfg.text, layers=max(cfg.text.layers, deep)))
-    unrolled = jax.eval_shape(lambda r: init_params(cfg, r), jax.random.key(0))
+    unrolled = jax.eval_shape(lambda r: nn.unbox(ProLIP(cfg).init(r, *dummy_inputs(cfg)))["params"], jax.random.key(0))
     got, want = traverse_util.flatten_dict(abstract_params(cfg)), traverse_util.flatten_dict(unrolled)
     assert list(got) == list(want)
     assert all((got[k].shape, got[k].dtype) == (want[k].shape, want[k].dtype) for k in want)

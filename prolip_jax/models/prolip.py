@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from prolip_jax import param_init
 from prolip_jax.models.config import ProLIPConfig
 from prolip_jax.models.layout import to_layout
 from prolip_jax.models.text import TextTower
@@ -76,9 +77,18 @@ class ProLIP(nn.Module):
 
 
 def init_params(config: ProLIPConfig, rng: jax.Array, **model_kw) -> dict:
-    """Float32 parameters with logical-axis boxes removed (see `nn.unbox`)."""
+    """Float32 parameters with logical-axis boxes removed (see `nn.unbox`), on the default device:
+    `jax.jit(model.init)`'s values, drawn by prolip_jax/param_init.py (one small program per
+    distinct draw, kept for the process, and no forward pass compiled); `jax.jit(model.init)`
+    itself where param_init cannot follow the model (scanned blocks, remat)."""
     model = ProLIP(config, **model_kw)
     images, tokens = dummy_inputs(config)
+    draws, variables = param_init.trace(model, images, tokens)
+    if draws is not None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        params = param_init.draw_params(draws, rng, jax.tree.map(lambda _: device, nn.unbox(variables["params"])))
+        if params is not None:
+            return params
     # jit: op-by-op initialisation of even a tiny model takes seconds on CPU.
     return jax.jit(lambda r: nn.unbox(model.init(r, images, tokens))["params"])(rng)
 
@@ -97,7 +107,9 @@ def abstract_params(config: ProLIPConfig, scan_layers: bool = False) -> dict:
     SCAN_TRACE_MIN_LAYERS - 1 blocks the unrolled trace is the quicker (nn.scan's own tracing
     costs about what four small blocks do)."""
     if scan_layers or max(config.vision.layers, config.text.layers) < SCAN_TRACE_MIN_LAYERS:
-        return jax.eval_shape(lambda r: init_params(config, r, scan_layers=scan_layers), jax.random.key(0))
+        model = ProLIP(config, scan_layers=scan_layers)
+        inputs = dummy_inputs(config)
+        return jax.eval_shape(lambda r: nn.unbox(model.init(r, *inputs))["params"], jax.random.key(0))
     scanned = abstract_params(config, scan_layers=True)
     return jax.tree.map(lambda x: x, to_layout(scanned, False))
 
