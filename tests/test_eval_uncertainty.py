@@ -116,7 +116,7 @@ def micro():
 
     config = get_config("micro")
     # jit: one compiled init instead of op-by-op dispatch (seconds on 2 CPU cores)
-    return config, ProLIP(config), jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
+    return config, ProLIP(config), init_params(config, jax.random.key(0))
 
 
 @pytest.fixture(scope="module")

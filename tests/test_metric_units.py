@@ -59,7 +59,7 @@ def micro():
     from prolip_jax.models import ProLIP, get_config, init_params
 
     config = get_config("micro")
-    return config, ProLIP(config), jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
+    return config, ProLIP(config), init_params(config, jax.random.key(0))
 
 
 @pytest.fixture(scope="module")

@@ -80,10 +80,11 @@ def init_params(config: ProLIPConfig, rng: jax.Array, **model_kw) -> dict:
     """Float32 parameters with logical-axis boxes removed (see `nn.unbox`), on the default device:
     `jax.jit(model.init)`'s values, drawn by prolip_jax/param_init.py (one small program per
     distinct draw, kept for the process, and no forward pass compiled); `jax.jit(model.init)`
-    itself where param_init cannot follow the model (scanned blocks, remat)."""
+    itself where param_init cannot follow the model (scanned blocks, remat), or under a trace
+    (`jax.jit(init_params)`, `jax.eval_shape`: param_init draws concrete keys)."""
     model = ProLIP(config, **model_kw)
     images, tokens = dummy_inputs(config)
-    draws, variables = param_init.trace(model, images, tokens)
+    draws, variables = (None, None) if isinstance(rng, jax.core.Tracer) else param_init.trace(model, images, tokens)
     if draws is not None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         params = param_init.draw_params(draws, rng, jax.tree.map(lambda _: device, nn.unbox(variables["params"])))
