@@ -64,7 +64,8 @@ GPU_PLAN = Plan()
 # The micro towers: every run of the plan is a compile and a step or two on CPU (tests/test_benchmark_gpu.py).
 TINY_PLAN = Plan(config="configs/tiny.py:data=random,size=micro", per_device_batch=8, sweep=(), steps=1,
                  matmul_size=128, profile_steps=1,
-                 levers=("attention=cudnn", "remat=full", "xla:latency_hiding_scheduler"), torch_steps=1, torch_compile=False, shards=2, per_shard=16, jpeg_size=(64, 48), workers=(1,),
+                 levers=("attention=cudnn", "remat=full", "xla:latency_hiding_scheduler"), torch_steps=1,
+                 torch_compile=False, shards=2, per_shard=16, jpeg_size=(64, 48), workers=(1,),
                  log_steps=1, windows=2, eval_args=("--images", "16", "--texts", "32", "--batch", "16",
                                                     "--queries", "64", "--gallery", "500", "--block", "32"),
                  timeout=600, max_batch_timeout=600, part_seconds=())  # CPU compiles: the subprocess limit only
