@@ -10,8 +10,9 @@ cores, 15-40 min; `size=small` is a GPU job (not timed here).
 
 The whole recipe (shards, tokenizer, training, evaluation, export) is the README's "Your own
 data" section. Data and tokenizer come from `--config.data.*` (every input_pipeline.DataConfig
-field can be set): `data.path` (files, globs or a brace pattern), `data.source` (tar, default,
-or array_record from scripts/tar_to_array_record.py), `data.tokenizer.path` (a SentencePiece
+field can be set): `data.path` (files, globs or a brace pattern), `data.source` (auto, the default:
+tar or array_record from the names' ending; array_record files come from
+scripts/tar_to_array_record.py), `data.tokenizer.path` (a SentencePiece
 `.model`, e.g. from scripts/train_tokenizer.py; `data.tokenizer.kind=hf` for a tokenizer.json).
 The tokenizer must fit the model: at most `vocab` ids (below) and its masking ids set:
 `masking.mask_token_id` (the id that replaces masked text tokens: a [MASK] / unused piece the
@@ -77,7 +78,7 @@ def get_config(arg=None):
         init_logit_scale=2.302585092994046,  # log 10: the paper's a = 10
     ))
     c.data = mlc.ConfigDict(dict(
-        source="tar",   # or array_record
+        source="auto",  # tar or array_record, from the ending of data.path's names
         path="",        # --config.data.path='/data/mine/train-{00000..00009}.tar'
         image_size=s["image_size"], num_workers=0, augment=True,
         image_dtype="uint8",  # normalised on device: 4x less host work

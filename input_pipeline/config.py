@@ -8,12 +8,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Sequence
 
+from input_pipeline import paths as paths_lib
 from input_pipeline import transforms
 from prolip_jax.normalization import NORMALIZATIONS
 
 # Caption datasets with several captions per image (captions.py).
 CAPTION_SOURCES = ("coco_karpathy", "flickr30k", "cub")
 SOURCES = ("array_record", "tar", "tfds", "demo", *CAPTION_SOURCES)
+# "auto": tar or array_record, from the ending of data.path's names (resolved at construction).
+AUTO = "auto"
 # Split names per caption source. CUB: <split>classes.txt as PCME ships them
 # (naver-ai/pcme datasets/annotations/cub: trainval/test = Xian et al.'s 150/50 classes, and
 # three train/val folds of trainval).
@@ -32,7 +35,7 @@ IMAGE_DTYPES = ("float32", "uint8")
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Input pipeline configuration (field comments give the meaning and the default's origin)."""
-    source: str = "array_record"        # one of SOURCES
+    source: str = "array_record"        # one of SOURCES, or AUTO
     path: str | Sequence[str] = ""      # tar / array_record: files, globs, brace patterns
     batch_size: int = 256               # GLOBAL batch size; each host yields batch/P rows
     image_size: int = 224
@@ -98,8 +101,12 @@ class DataConfig:
     noise_seed: int = 0                 # which pairs; apart from `seed` (same noise, any order)
 
     def __post_init__(self):
+        if self.source == AUTO:
+            if not self.path:
+                raise ValueError("data.source='auto' needs data.path (tar or array_record shards).")
+            object.__setattr__(self, "source", paths_lib.source_of_paths(self.path))
         if self.source not in SOURCES:
-            raise ValueError(f"data.source must be one of {SOURCES}, got {self.source!r}.")
+            raise ValueError(f"data.source must be one of {(*SOURCES, AUTO)}, got {self.source!r}.")
         if self.image_dtype not in IMAGE_DTYPES:
             raise ValueError(f"data.image_dtype must be one of {IMAGE_DTYPES}, got "
                              f"{self.image_dtype!r}.")

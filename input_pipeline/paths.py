@@ -102,3 +102,39 @@ def expand_paths(patterns: str | Sequence[str], check_exists: bool = True) -> li
                 + (f" and {missing[-1]!r}" if len(missing) > 1 else "")
                 + f" (from {list(patterns)!r}).")
     return paths
+
+
+# File name endings of the two shard kinds data.path can name (tfds-style array_record shards
+# carry a suffix such as `.array_record-00000-of-00064`).
+_SHARD_KINDS = (("tar", re.compile(r"\.(tar|tar\.gz|tgz)$")),
+                ("array_record", re.compile(r"\.array_record(-\d+-of-\d+)?$")))
+
+
+def shard_kind(path: str) -> str | None:
+    """"tar" or "array_record" from a file name or pattern's ending; None when it says neither."""
+    name = os.fspath(path).rstrip("/")
+    return next((kind for kind, ending in _SHARD_KINDS if ending.search(name)), None)
+
+
+def source_of_paths(patterns: str | Sequence[str]) -> str:
+    """The shard kind that every pattern of data.path names (for `data.source="auto"`)."""
+    if isinstance(patterns, (str, os.PathLike)):
+        patterns = [p for p in os.fspath(patterns).split("::") if p]
+    kinds = {shard_kind(p) for p in patterns}
+    if len(kinds) != 1 or None in kinds:
+        raise ValueError(f"data.source='auto' cannot tell the shard kind of data.path={'::'.join(patterns)!r} "
+                         "(names ending in .tar or .array_record): pass --config.data.source=tar or "
+                         "--config.data.source=array_record")
+    return kinds.pop()
+
+
+def check_shard_kind(files: Sequence[str], source: str) -> None:
+    """One line when data.path names shards of the other kind than data.source reads: a tar
+    reader would skip every ArrayRecord file as a corrupt tar, and the reverse fails deep in riegeli."""
+    for f in files:
+        kind = shard_kind(f)
+        if kind is not None and kind != source:
+            more = sum(shard_kind(g) == kind for g in files) - 1
+            raise ValueError(f"data.path names {kind} shards ({f}{f' and {more} more' if more else ''}) but "
+                             f"data.source={source!r}: pass --config.data.source={kind} "
+                             "(or --config.data.source=auto)")

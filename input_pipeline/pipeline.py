@@ -435,10 +435,16 @@ def _random_access_source(cfg: DataConfig) -> tuple[Any, Callable[[Any], Any], l
         ds, split = _demo(cfg)
         files = [ds.split_path(split)]
     else:
-        patterns = cfg.path.split("::") if isinstance(cfg.path, str) else list(cfg.path)
-        sources.require_local_array_records(patterns)  # before globbing a bucket
+        patterns = _patterns(cfg.path)
+        paths_lib.check_shard_kind(patterns, cfg.source)  # before globbing a bucket
+        sources.require_local_array_records(patterns)
         files = paths_lib.expand_paths(cfg.path)
+        paths_lib.check_shard_kind(files, cfg.source)
     return sources.array_record_source(files), sources.ToRaw("array_record"), files
+
+
+def _patterns(path: str | Sequence[str]) -> list[str]:
+    return path.split("::") if isinstance(path, str) else list(path)
 
 
 class _KeepImageId:
@@ -496,7 +502,9 @@ def _build(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer | None, 
     num_epochs = cfg.num_epochs if train else 1
     workers = max(1, cfg.num_workers)
     if cfg.source == "tar":
+        paths_lib.check_shard_kind(_patterns(cfg.path), cfg.source)  # before globbing a bucket
         files = paths_lib.expand_paths(cfg.path)
+        paths_lib.check_shard_kind(files, cfg.source)
         if len(files) < p * workers:
             fix = (f"set --config.data.num_workers={len(files) // p} or fewer, or split the data into "
                    f"{p * workers}+ shards" if len(files) >= p else f"split the data into {p}+ shards")

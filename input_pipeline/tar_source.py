@@ -37,6 +37,11 @@ TEXT_EXT = "txt"
 _SHARD_ORDER_TAG = 0x5A4D   # separates the seed streams of shard order and window shuffles
 _WINDOW_TAG = 0x57A1
 log = logging.getLogger(__name__)
+_warned: set[str] = set()   # corrupt shards already reported by this process
+
+
+class NoRecordsError(ValueError):
+    """A whole epoch of a worker's shards gave no usable record: the run could never fill a batch."""
 
 
 def split_key(name: str) -> tuple[str, str]:
@@ -266,10 +271,20 @@ def iter_shard(path: str, shard_id: int, epoch: int, start: int = 0
                 if index >= start:
                     yield index, group_to_raw(key, members, (epoch, shard_id, index))
         except _SHARD_ERRORS as e:
-            log.warning("Corrupt tar shard %s: unreadable after %d records (%s: %s); the rest "
-                        "of it is skipped and counted as skipped/corrupt_shard.", path,
-                        index + 1, type(e).__name__, e)
-            yield index + 1, Skip("corrupt_shard", path)
+            if path not in _warned:  # once per shard and process: later epochs only count it
+                _warned.add(path)
+                log.warning("Corrupt tar shard %s: unreadable after %d records (%s: %s); the rest "
+                            "of it is skipped and counted as skipped/corrupt_shard.", path,
+                            index + 1, type(e).__name__, e)
+            yield index + 1, Skip("corrupt_shard", f"{path} ({type(e).__name__}: {e})")
+
+
+def _no_records(num_shards: int, unreadable: list[str], empty: int, skipped: dict[str, int]) -> str:
+    what = [f"{len(unreadable)} unreadable as tar, e.g. {unreadable[0]}" if unreadable else "",
+            f"{empty} with no records" if empty else "",
+            "records skipped: " + ", ".join(f"{k} {v}" for k, v in sorted(skipped.items())) if skipped else ""]
+    return (f"none of the {num_shards} tar shards read here yields a usable record "
+            f"({'; '.join(w for w in what if w)}); check --config.data.path and --config.data.source")
 
 
 def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
@@ -344,13 +359,31 @@ class _TarStreamIterator(grain.DatasetIterator):
         self._reader: Iterator[tuple[int, int, Any]] | None = None
 
     def _read_epoch(self, epoch: int, shard_pos: int, group_pos: int):
-        """Yields (shard_pos, group index, record) from a position to the end of the epoch."""
+        """Yields (shard_pos, group index, record) from a position to the end of the epoch.
+
+        When the epochs repeat forever, an epoch read from its start that gives not one usable
+        record raises NoRecordsError: every later one would give none either, and the batches
+        would wait forever (a finite run simply ends)."""
         tasks = self._ds.tasks_for_epoch(epoch)
+        whole = shard_pos == 0 and group_pos == 0 and self._ds.num_epochs is None
+        usable, empty, skipped, unreadable = 0, 0, {}, []
         for pos in range(shard_pos, len(tasks)):
             sid, first = tasks[pos]
             start = max(first, group_pos) if pos == shard_pos else first
+            records = 0
             for g, rec in iter_shard(self._ds.shard_paths[sid], sid, epoch, start):
+                if isinstance(rec, Skip):
+                    if rec.reason == "corrupt_shard":
+                        unreadable.append(rec.key)
+                    else:
+                        skipped[rec.reason] = skipped.get(rec.reason, 0) + 1
+                else:
+                    usable += 1
+                records += 1
                 yield pos, g, rec
+            empty += records == 0
+        if whole and tasks and not usable:
+            raise NoRecordsError(_no_records(len(tasks), unreadable, empty, skipped))
 
     def _fill_window(self) -> bool:
         """Fills the window starting at the current position; False at the end of the data."""

@@ -12,7 +12,10 @@ file (`tokenizer_file`, an `input_pipeline.tokenizer_files.TokenizerFile`) for t
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+import queue
+import threading
+import time
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -71,6 +74,59 @@ class RandomBatches:
 
     def close(self) -> None:
         pass
+
+
+class DataStalled(RuntimeError):
+    """No batch came within the trainer's `data_timeout_s`."""
+
+
+class BatchFetcher:
+    """`next(iterator)` in a daemon thread, so that the trainer's main thread keeps answering
+    SIGTERM and Ctrl-C while a read is slow, and stops a read that hangs (a stuck mount, a
+    worker that never answers) after `timeout_s` instead of waiting forever."""
+
+    POLL_S = 0.2
+
+    def __init__(self, iterator: Any, timeout_s: float):
+        self.iterator, self.timeout_s = iterator, timeout_s
+        self.in_flight = False  # a read started and not yet returned (its thread may hang)
+        self._requests: queue.Queue[None] = queue.Queue()
+        self._results: queue.Queue[tuple[bool, Any]] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def _serve(self) -> None:
+        while True:
+            self._requests.get()
+            try:
+                self._results.put((True, next(self.iterator)))
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread, raised there
+                self._results.put((False, e))
+
+    def next(self, stop: Callable[[], bool] = lambda: False) -> Any:
+        """The next batch; None when `stop()` turns true while waiting. Raises what the iterator
+        raised (StopIteration included), or DataStalled after `timeout_s` without a batch."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="batch-fetcher", daemon=True)
+            self._thread.start()
+        if not self.in_flight:
+            self._requests.put(None)
+            self.in_flight = True
+        start = time.monotonic()
+        while True:
+            try:
+                ok, value = self._results.get(timeout=self.POLL_S)
+            except queue.Empty:
+                if stop():
+                    return None
+                waited = time.monotonic() - start
+                if waited > self.timeout_s:
+                    raise DataStalled(f"no batch came in {waited:.0f} s (a stuck read, mount or data worker; "
+                                      "the limit is --config.data_timeout_s)") from None
+                continue
+            self.in_flight = False
+            if ok:
+                return value
+            raise value
 
 
 def build_train_data(tc: Any, model_config: Any, scfg: Any) -> Any:

@@ -38,14 +38,17 @@ import orbax.checkpoint as ocp
 
 import evaluators
 from input_pipeline.captions import write_noisy_pairs
+from input_pipeline import paths as data_paths
+from input_pipeline.config import AUTO as DATA_AUTO
 from input_pipeline.config import SOURCES as DATA_SOURCES
 from input_pipeline.config import DataConfig
+from input_pipeline.tar_source import NoRecordsError
 from prolip_jax import checkpoint as ckpt_lib
 from prolip_jax import flops as flops_lib
 from prolip_jax import config_args, library_logs, messages, objectives, optim, overview, profiling, schema, sharding
 from prolip_jax import paths, peers
 from prolip_jax import step as step_lib
-from prolip_jax.data import build_train_data
+from prolip_jax.data import BatchFetcher, DataStalled, build_train_data
 from prolip_jax.metrics import MetricWriter
 from prolip_jax.models import ProLIP, ProLIPConfig, get_config
 from prolip_jax.models import layout
@@ -72,6 +75,9 @@ class RunConfig:
     checkpoint_steps: int = 1000
     keep_checkpoints: int = 3
     max_nonfinite_in_a_row: int = 10  # skipped updates in a row before the run stops
+    # Seconds the loop waits for one batch before it saves and stops in one line. The first
+    # batch fills every data worker's shuffle window: raise this for large windows in a bucket.
+    data_timeout_s: float = 600.0
     evals: Any = dataclasses.field(default_factory=dict)  # name -> evaluator config (build_evaluators)
     # A fresh run (not a resume) first runs every evaluator on its starting parameters and logs
     # them at step 0: what a warm start scores before any update (the baseline of a fine-tune).
@@ -83,7 +89,7 @@ class RunConfig:
 
     def validate(self) -> None:
         for name in ("total_steps", "batch_size", "microbatches", "log_steps", "checkpoint_steps",
-                     "keep_checkpoints", "max_nonfinite_in_a_row"):
+                     "keep_checkpoints", "max_nonfinite_in_a_row", "data_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"config.{name} must be positive, got {getattr(self, name)}")
 
@@ -178,9 +184,13 @@ def parse_config(config) -> TrainConfig:
     data = config.data.to_dict() if "data" in config else {}
     if data:
         schema.check_keys(data.keys(), schema.fields(DataConfig), "config.data")
+        if data.get("source") == DATA_AUTO:  # every part below sees the kind the path names
+            if not data.get("path"):
+                raise ValueError("config.data.source='auto' needs --config.data.path (tar or array_record shards)")
+            data["source"] = data_paths.source_of_paths(data["path"])
         if data.get("source") not in ("random", *DATA_SOURCES):
             raise ValueError(f"config.data.source={data.get('source')!r} is not one of "
-                             f"{('random', *DATA_SOURCES)}")
+                             f"{('random', DATA_AUTO, *DATA_SOURCES)}")
     return TrainConfig(run=run, **sections, objective=name, loss=loss, data=data)
 
 
@@ -609,7 +619,13 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
         if isinstance(e, (RunFault, FloatingPointError)):
             return e
         logging.getLogger("absl").error("%s failed after step %d", what, step, exc_info=e)  # train.log
-        gist = f"{type(e).__name__}: {' '.join(str(e).split())}"[:200]
+        if isinstance(e, StopIteration):
+            gist = (f"its data ended (data.num_epochs={tc.data.get('num_epochs')}): raise "
+                    "--config.data.num_epochs or lower --config.total_steps")
+        elif isinstance(e, (NoRecordsError, DataStalled)):  # written for the user: shown whole
+            gist = " ".join(str(e).split())
+        else:
+            gist = f"{type(e).__name__}: {' '.join(str(e).split())}"[:200]
         if step == 0:
             return RunFault(f"{what} failed before the first step ({gist}); no checkpoint was written")
         if mngr.latest_step() != step:
@@ -635,6 +651,7 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
     t_log, step_log = time.time(), start
     step = start
     data_state = None  # the data position after the last batch read (None: the live iterator's)
+    fetch = BatchFetcher(data, run.data_timeout_s)  # signals are answered while a read waits
     try:
         if run.eval_at_start and start == 0 and evaluators:
             values, shown = {}, []
@@ -649,7 +666,15 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
             t_log = time.time()  # the evaluation is not training step time
         while step < run.total_steps:
             with outside_the_model("the data pipeline"):
-                batch = next(data)
+                batch = fetch.next(stop=lambda: preempted["flag"])
+            if batch is None:  # SIGTERM while waiting for data: saved at the position before the read
+                if step > 0 and mngr.latest_step() != step:
+                    save(step, force=True, data_state=data_state)
+                finish_saves()
+                if is_chief:
+                    print(f"preempted: saved step {step}; rerun the same command to resume" if step else
+                          "preempted before the first step: nothing to save; rerun the same command", flush=True)
+                return last_metrics
             data_state = ckpt_lib.StateSnapshot.of(data)  # where a resume continues if the next read fails
             batch = sharding.global_batch(batch, mesh)
             profiler.before_step(step)
@@ -752,7 +777,8 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
             except Exception:  # noqa: BLE001 - already reported in one line; the details in train.log
                 logging.getLogger("absl").exception("closing the checkpoint manager")
         writer.close()
-        data.close()
+        if not fetch.in_flight:  # a read that hangs would hang its close too; the process ends anyway
+            data.close()
         if best is not None:
             best.close()
 
@@ -856,6 +882,11 @@ def main(argv: list[str] | None = None) -> None:
         code = 0
     except (ValueError, FileNotFoundError, FloatingPointError, RunFault) as e:
         fail(e)
+    except KeyboardInterrupt:  # Ctrl-C: stop now; the checkpoints written so far stay
+        print(f"interrupted (Ctrl-C): rerun the same command to resume from the newest checkpoint in "
+              f"{fv.workdir}", file=sys.stderr)
+        code = 130
+        sys.exit(code)
     finally:
         if watch is not None:
             watch.stop(code)
