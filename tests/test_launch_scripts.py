@@ -426,6 +426,43 @@ def test_slurm_setup_builds_the_cuda_extra(env, tmp_path):
             f"-e '{ROOT}[cuda]'") in proc.stdout
 
 
+# A stand-in Python of a given version: answers -V and setup's version check.
+PYTHON_STUB = r"""#!/usr/bin/env bash
+v=%s
+case $1 in
+  -V) echo "Python $v" ;;
+  -c) IFS=. read -r major minor _ <<< "$v"; ((major > 3 || (major == 3 && minor >= 11))) ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("pythons, picked", [
+    ({"python3.13": "3.13.1", "python3.12": "3.12.3", "python3.11": "3.11.9", "python3": "3.13.1"}, "python3.11"),
+    ({"python3.13": "3.13.1", "python3.12": "3.12.3", "python3": "3.12.3"}, "python3"),
+    ({"python3.13": "3.13.1", "python3": "3.10.12"}, "no python3.11 on PATH and python3 is Python 3.10.12"),
+    ({}, "no python3.11 or python3 on PATH"),
+], ids=["3.11-first", "python3-if-3.11-or-newer", "python3-too-old", "none"])
+def test_slurm_setup_picks_python_3_11_as_the_lock_and_the_makefile(env, tmp_path, pythons, picked):
+    # PATH: these stubs and every system command but the host's own pythons
+    stubs, system = tmp_path / "pythons", tmp_path / "system"
+    stubs.mkdir(), system.mkdir()
+    for folder in ("/usr/bin", "/bin"):
+        for name in os.listdir(folder):
+            if not name.startswith("python") and not (system / name).exists():
+                (system / name).symlink_to(Path(folder) / name)
+    for name, version in pythons.items():
+        (stubs / name).write_text(PYTHON_STUB % version)
+        (stubs / name).chmod(0o755)
+    path = f"{env['PATH'].split(':')[0]}:{stubs}:{system}"
+    proc = _run(SLURM, {**env, "PATH": path}, "setup", "--dry-run", VENV=str(tmp_path / "v"))
+    if picked.startswith("python"):
+        assert proc.returncode == 0, proc.stderr
+        assert f"+ {picked} -m venv {tmp_path / 'v'}" in proc.stdout
+    else:
+        line = _one_error_line(proc)
+        assert picked in line and "PYTHON=/path/to/python3.11" in line
+
+
 def test_slurm_submit_and_resubmit(env, venv):
     sbatches = []
     for sub in ("submit", "resume"):
