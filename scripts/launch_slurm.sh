@@ -40,7 +40,7 @@ Settings: environment variables, or flags (WORKDIR=x or --workdir=x)
     CONFIG          trainer config [configs/prolip_b16_datacomp.py]; ':arg' allowed
     DATA_SOURCE     tar or array_record [array_record for *.array_record, else tar]
     VENV            the CUDA environment [REPO_DIR/.venv-cuda, built by `setup`]
-    PYTHON          the Python `setup` builds VENV from [python3.13, python3.12 or python3.11 on PATH]
+    PYTHON          the Python `setup` builds VENV from [python3.11 on PATH, else python3 if >= 3.11]
     PARTITION, ACCOUNT, QOS, TIME, CPUS_PER_TASK   passed to sbatch when set
     JOB_NAME        [prolip]
     COORDINATOR_PORT  port of process 0 for jax.distributed [20000 + job id % 10000]
@@ -104,13 +104,19 @@ my_jobs() { squeue -h -u "$(id -un)" -n "$JOB_NAME" -o %i; }
 
 case $SUBCOMMAND in
   setup)
+    at_least_3_11() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }
+    # The lock (requirements/constraints*.txt) is made on 3.11; the Makefile picks the same way.
     if [[ -z $PYTHON ]]; then
-      for p in python3.13 python3.12 python3.11; do
-        if command -v "$p" >/dev/null; then PYTHON=$p; break; fi
-      done
-      [[ -n $PYTHON ]] || die "no python3.11 or newer on PATH: set PYTHON=/path/to/python3.11 (or load a module that has one)"
-    fi
-    if [[ $DRY_RUN == 0 ]] && ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+      if command -v python3.11 >/dev/null; then
+        PYTHON=python3.11
+      elif ! command -v python3 >/dev/null; then
+        die "no python3.11 or python3 on PATH: set PYTHON=/path/to/python3.11 (or load a module that has one)"
+      elif at_least_3_11 python3; then
+        PYTHON=python3
+      else
+        die "no python3.11 on PATH and python3 is $(python3 -V 2>&1 | head -n 1), older than 3.11: set PYTHON=/path/to/python3.11 (or load a module that has one)"
+      fi
+    elif [[ $DRY_RUN == 0 ]] && ! at_least_3_11 "$PYTHON"; then
       die "PYTHON=$PYTHON is not a Python >= 3.11: set PYTHON to one"
     fi
     if [[ ! -x $VENV/bin/python ]]; then run "$PYTHON" -m venv "$VENV"; fi

@@ -8,18 +8,22 @@ ME="launch_tpu_pod.sh"
 SUBCOMMANDS=(launch resume logs status stop delete)
 # Every setting: NAME (environment variable) or --name=value (flag, lowercase with dashes).
 SETTINGS=(TPU_NAME ZONE PROJECT ACCELERATOR_TYPE WORKDIR DATA_PATH TOKENIZER CONFIG DATA_SOURCE
-          RUNTIME_VERSION SPOT REPO_URL BRANCH PYTHON_VERSION EXTRA_PACKAGES WORKER)
+          RUNTIME_VERSION SPOT REPO_URL BRANCH PYTHON_VERSION EXTRA_PACKAGES WORKER READY_TIMEOUT
+          POLL_INTERVAL)
 
 usage() {
   cat <<'EOF'
 Usage: bash scripts/launch_tpu_pod.sh [SUBCOMMAND] [--setting=value ...] [--dry-run] [-- TRAINER ARGS]
 
 Subcommands (default: launch)
-  launch   create the TPU VM if absent (reuse it if READY), ship the code and a local tokenizer to
-           every worker, build a Python 3.11 venv there with uv (`-c requirements/constraints.txt
+  launch   create the TPU VM if absent (reuse it if READY; wait while it is CREATING, STARTING,
+           RESTARTING, REPAIRING or DELETING; delete and create anew one that is PREEMPTED or
+           TERMINATED, as those never restart), ship the code and a local tokenizer to every
+           worker, build a Python 3.11 venv there with uv (`-c requirements/constraints.txt
            -e '.[tpu]'`), and start the trainer detached on every worker (log per worker:
            ~/prolip/logs/train.log on that worker). Refuses while a run is still alive.
-  resume   the same as launch: the trainer resumes from WORKDIR's newest checkpoint.
+  resume   the same as launch: the trainer resumes from WORKDIR's newest checkpoint (after a
+           preemption too: the VM is recreated, WORKDIR keeps the checkpoints).
   logs     follow a worker's log (WORKER=0 by default; WORKER=all for every worker).
   status   per worker: running or not, and the log's last line.
   stop     SIGTERM the trainer on every worker: it saves a checkpoint and exits.
@@ -49,6 +53,8 @@ Settings: environment variables, or flags (TPU_NAME=x or --tpu-name=x)
     PYTHON_VERSION    the workers' Python, installed by uv [3.11]
     EXTRA_PACKAGES    also installed on the workers [gcsfs google-cloud-storage]
     WORKER            which worker `logs` follows [0]
+    READY_TIMEOUT     seconds `launch` waits for a CREATING/STARTING/... VM to become READY [1800]
+    POLL_INTERVAL     seconds between its state checks while waiting [30]
 
 EOF
   options_help  # the options parse_args takes, shared
@@ -72,6 +78,8 @@ BRANCH=${BRANCH:-main}
 PYTHON_VERSION=${PYTHON_VERSION:-3.11}
 EXTRA_PACKAGES=${EXTRA_PACKAGES:-gcsfs google-cloud-storage}
 WORKER=${WORKER:-0}
+READY_TIMEOUT=${READY_TIMEOUT:-1800}
+POLL_INTERVAL=${POLL_INTERVAL:-30}
 if [[ -z $RUNTIME_VERSION ]]; then
   case $ACCELERATOR_TYPE in
     v2-*|v3-*|v4-*) RUNTIME_VERSION=tpu-ubuntu2204-base ;;
@@ -129,32 +137,79 @@ if [[ $DATA_SOURCE == array_record ]] && is_url "$DATA_PATH"; then
   die "DATA_PATH=$DATA_PATH: array_record shards must be on each worker's local disk (copy them there and pass that path), or use tar shards, which stream from a bucket (DATA_SOURCE=tar)"
 fi
 [[ $SPOT == 0 || $SPOT == 1 ]] || die "SPOT=$SPOT: use 0 or 1"
+[[ $READY_TIMEOUT =~ ^[0-9]+$ ]] || die "READY_TIMEOUT=$READY_TIMEOUT: a whole number of seconds"
+[[ $POLL_INTERVAL =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "POLL_INTERVAL=$POLL_INTERVAL: a number of seconds"
 if ! is_url "$WORKDIR"; then
   echo "$ME: note: WORKDIR=$WORKDIR is not a bucket; every worker must see it as one shared folder" >&2
 fi
 
-# ---- 1. the TPU VM: reuse a READY one, create one if absent --------------------------------------
+# ---- 1. the TPU VM: reuse a READY one, create one if absent -------------------------------------
+TMP_DIR=$(mktemp -d); trap 'rm -rf "$TMP_DIR"' EXIT
+describe=("${TPU[@]}" describe "$TPU_NAME" "${WHERE[@]}" --format='value(state)')
+create=("${TPU[@]}" create "$TPU_NAME" "${WHERE[@]}" --accelerator-type="$ACCELERATOR_TYPE"
+        --version="$RUNTIME_VERSION")
+[[ $SPOT == 1 ]] && create+=(--spot)
+
+# Sets `state` to the VM's state, or to "" when the VM does not exist. Only gcloud's NOT_FOUND
+# means "absent": any other failure (not logged in, no permission, a wrong PROJECT or ZONE) stops
+# here, before anything is created.
+read_state() {
+  local rc=0 first
+  state=$("${describe[@]}" 2>"$TMP_DIR/describe.err") || rc=$?
+  if ((rc == 0)); then
+    state=${state:-STATE_UNSPECIFIED}
+    return
+  fi
+  if grep -qE 'NOT_FOUND|was not found' "$TMP_DIR/describe.err" \
+     && ! grep -qE 'PERMISSION_DENIED|UNAUTHENTICATED' "$TMP_DIR/describe.err"; then
+    state=""
+    return
+  fi
+  first=$(grep -m 1 '^ERROR' "$TMP_DIR/describe.err" || grep -m 1 '[^[:space:]]' "$TMP_DIR/describe.err" || echo "exit status $rc, no message")
+  die "cannot read TPU VM $TPU_NAME's state, so nothing was created: $first (log in with \`gcloud auth login\`, and check PROJECT=$PROJECT and ZONE=$ZONE)"
+}
+
 if [[ $DRY_RUN == 1 ]]; then
-  run "${TPU[@]}" describe "$TPU_NAME" "${WHERE[@]}" --format='value(state)'
-  echo "# if the TPU VM does not exist yet:"
-  state=""
-else
-  echo "+ $(quote "${TPU[@]}" describe "$TPU_NAME" "${WHERE[@]}" --format='value(state)')"
-  state=$("${TPU[@]}" describe "$TPU_NAME" "${WHERE[@]}" --format='value(state)' 2>/dev/null) || state=""
-fi
-if [[ -z $state ]]; then
-  create=("${TPU[@]}" create "$TPU_NAME" "${WHERE[@]}" --accelerator-type="$ACCELERATOR_TYPE"
-          --version="$RUNTIME_VERSION")
-  [[ $SPOT == 1 ]] && create+=(--spot)
+  run "${describe[@]}"
+  echo "# if the TPU VM does not exist yet (one that is PREEMPTED or TERMINATED is deleted first):"
   run "${create[@]}"
-elif [[ $state == READY ]]; then
-  echo "$ME: reusing TPU VM $TPU_NAME (READY)"
 else
-  die "TPU VM $TPU_NAME is $state: wait until READY, or delete it (subcommand delete) and launch again"
+  echo "+ $(quote "${describe[@]}")"
+  deadline=$((SECONDS + READY_TIMEOUT))
+  waiting_for=""
+  while :; do
+    read_state
+    case $state in
+      READY)
+        echo "$ME: reusing TPU VM $TPU_NAME (READY)"
+        break ;;
+      "")
+        run "${create[@]}"
+        break ;;
+      PREEMPTED|TERMINATED)
+        # A preempted or terminated TPU VM cannot be started again; a new one resumes from WORKDIR.
+        echo "$ME: TPU VM $TPU_NAME is $state, which never restarts: deleting it and creating it anew (the run resumes from WORKDIR)"
+        run "${TPU[@]}" delete "$TPU_NAME" "${WHERE[@]}" --quiet
+        run "${create[@]}"
+        break ;;
+      CREATING|STARTING|RESTARTING|REIMAGING|REPAIRING|UNHIDING|DELETING)
+        if ((SECONDS >= deadline)); then
+          die "TPU VM $TPU_NAME is still $state after ${READY_TIMEOUT} s: wait longer (READY_TIMEOUT), or delete it (bash scripts/launch_tpu_pod.sh delete) and launch again"
+        fi
+        if [[ $state != "$waiting_for" ]]; then
+          echo "$ME: TPU VM $TPU_NAME is $state: waiting (up to ${READY_TIMEOUT} s, READY_TIMEOUT)"
+          waiting_for=$state
+        fi
+        sleep "$POLL_INTERVAL" ;;
+      STOPPED|STOPPING)
+        die "TPU VM $TPU_NAME is $state: start it ($(quote "${TPU[@]}" start "$TPU_NAME" "${WHERE[@]}")) or delete it (bash scripts/launch_tpu_pod.sh delete), then launch again" ;;
+      *)
+        die "TPU VM $TPU_NAME is $state, which does not become READY by itself: delete it (bash scripts/launch_tpu_pod.sh delete) and launch again" ;;
+    esac
+  done
 fi
 
 # ---- 2. code and tokenizer to every worker -------------------------------------------------------
-TMP_DIR=$(mktemp -d); trap 'rm -rf "$TMP_DIR"' EXIT
 setup=("set -e" "if $ALIVE; then echo \"\$(hostname): a run is still alive (stop it first)\" >&2; exit 3; fi"
        "mkdir -p $RUN_DIR/logs $RUN_DIR/assets")
 if [[ -z $REPO_URL ]]; then

@@ -22,13 +22,26 @@ SEP = "\x1f"
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
+# What gcloud prints on stderr (exit status 1) when `tpu-vm describe` finds no such VM.
+NOT_FOUND = ("ERROR: (gcloud.compute.tpus.tpu-vm.describe) NOT_FOUND: Resource "
+             "'projects/proj-1/locations/us-east5-a/nodes/prolip-v5p' was not found. This command is "
+             "authenticated as me@example.com which is the active account specified by the [core/account] property\n"
+             "- '@type': type.googleapis.com/google.rpc.ResourceInfo\n"
+             "  resourceName: projects/proj-1/locations/us-east5-a/nodes/prolip-v5p")
+
 # Every stub logs its argv; the ones below also answer.
 LOG = 'log() { local IFS=$\'\\x1f\'; printf \'%s\\n\' "$(basename "$0")$IFS$*" >> "$STUB_LOG"; }; log "$@"\n'
 STUBS = {
+    # describe: STUB_DESCRIBE_ERR fails with that stderr; else the n-th call answers the n-th word of
+    # STUB_TPU_STATE (the last one repeats; NOT_FOUND: no such VM); unset: no such VM.
     "gcloud": LOG + r'''
 case " $* " in
-  *" describe "*) if [ -n "${STUB_TPU_STATE:-}" ]; then echo "$STUB_TPU_STATE"; exit 0; fi
-                  echo "ERROR: (gcloud.compute.tpus.tpu-vm.describe) NOT_FOUND" >&2; exit 1 ;;
+  *" describe "*) if [ -n "${STUB_DESCRIBE_ERR:-}" ]; then printf '%s\n' "$STUB_DESCRIBE_ERR" >&2; exit 1; fi
+                  read -ra states <<< "${STUB_TPU_STATE:-NOT_FOUND}"
+                  n=$(grep -c $'\x1fdescribe\x1f' "$STUB_LOG")
+                  state=${states[$((n <= ${#states[@]} ? n - 1 : ${#states[@]} - 1))]}
+                  if [ "$state" != NOT_FOUND ]; then echo "$state"; exit 0; fi
+                  printf '%s\n' "$STUB_NOT_FOUND" >&2; exit 1 ;;
   *" ssh "*) for ((w = 0; w < ${STUB_WORKERS:-1}; w++)); do echo "t1v-worker-$w: ok"; done ;;
 esac
 ''',
@@ -68,7 +81,7 @@ def env(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     return {"PATH": f"{stubs}:/usr/bin:/bin", "HOME": str(home), "STUB_LOG": str(tmp_path / "calls.log"),
-            "LANG": "C.UTF-8"}  # no USER, on purpose
+            "LANG": "C.UTF-8", "STUB_NOT_FOUND": NOT_FOUND}  # no USER, on purpose
 
 
 def _run(script: Path, env: dict, *args: str, **extra: str) -> subprocess.CompletedProcess:
@@ -148,6 +161,7 @@ def test_tpu_dry_run_prints_every_command_and_runs_none(env, tokenizer):
     verbs = [ln.split()[5] for ln in lines if ln.startswith("+ gcloud")]
     assert verbs == ["describe", "create", "scp", "scp", "ssh", "ssh"]
     assert "--accelerator-type=v5p-64 --version=v2-alpha-tpuv5" in proc.stdout
+    assert "# if the TPU VM does not exist yet (one that is PREEMPTED or TERMINATED is deleted first):" in proc.stdout
     assert any(ln.startswith("+ git -C") and " archive " in ln for ln in lines)
     assert "--config.total_steps=1000" in lines[-1] and "nothing was run" in proc.stdout
 
@@ -196,19 +210,92 @@ def test_tpu_resume_reuses_the_vm_and_keeps_the_workdir(env):
 
 
 def test_tpu_refusals(env, tokenizer):
-    line = _one_error_line(_run(TPU, env, **POD, TOKENIZER=tokenizer, STUB_TPU_STATE="PREEMPTED"))
-    assert "is PREEMPTED" in line and "delete" in line
-    assert not _gcloud(_calls(Path(env["STUB_LOG"])), "create")
     line = _one_error_line(_run(TPU, env, **POD, TOKENIZER="/nowhere/spiece.model"))
     assert "neither a gs:// path nor a local file" in line
     line = _one_error_line(_run(TPU, env, "--zonee=x", **POD, TOKENIZER=tokenizer))
     assert "unknown option --zonee" in line
     line = _one_error_line(_run(TPU, env, **{**POD, "ACCELERATOR_TYPE": "v9z-8"}, TOKENIZER=tokenizer))
     assert "RUNTIME_VERSION" in line
+    line = _one_error_line(_run(TPU, env, **POD, TOKENIZER=tokenizer, READY_TIMEOUT="30m"))
+    assert "READY_TIMEOUT=30m" in line
     # array_record cannot stream from a bucket (docs/buckets.md): refused before any cloud call.
     line = _one_error_line(_run(TPU, env, **{**POD, "DATA_PATH": "gs://bkt/ar/*.array_record"}, TOKENIZER=tokenizer))
     assert "must be on each worker's local disk" in line and "DATA_SOURCE=tar" in line
     assert not _gcloud(_calls(Path(env["STUB_LOG"])), "create")
+
+
+# What gcloud prints on stderr (exit status 1) when describe fails for another reason than a missing VM.
+NO_ACCOUNT = """ERROR: (gcloud.compute.tpus.tpu-vm.describe) You do not currently have an active account selected.
+Please run:
+
+  $ gcloud auth login
+
+to obtain new credentials.
+
+If you have already logged in with a different account, run:
+
+  $ gcloud config set account ACCOUNT
+
+to select an already authenticated account to use."""
+DENIED = ("ERROR: (gcloud.compute.tpus.tpu-vm.describe) PERMISSION_DENIED: Permission 'tpu.nodes.get' denied on "
+          "'projects/proj-1/locations/us-east5-a/nodes/prolip-v5p'. This command is authenticated as "
+          "me@example.com which is the active account specified by the [core/account] property")
+NO_PROJECT = ("ERROR: (gcloud.compute.tpus.tpu-vm.describe) PERMISSION_DENIED: Project 'projects/proj-1' "
+              "not found or permission denied.")
+
+
+@pytest.mark.parametrize("err", [NO_ACCOUNT, DENIED, NO_PROJECT], ids=["no-account", "denied", "no-project"])
+def test_tpu_describe_failure_stops_before_creating(env, tokenizer, err):
+    proc = _run(TPU, env, **POD, TOKENIZER=tokenizer, STUB_DESCRIBE_ERR=err)
+    line = _one_error_line(proc)
+    assert err.splitlines()[0] in line  # gcloud's own first line
+    assert "gcloud auth login" in line and "PROJECT=proj-1" in line and "ZONE=us-east5-a" in line
+    assert [c[4] for c in _calls(Path(env["STUB_LOG"]))] == ["describe"]  # nothing created, nothing shipped
+
+
+@pytest.mark.parametrize("state", ["PREEMPTED", "TERMINATED"])
+@pytest.mark.parametrize("sub", ["launch", "resume"])
+def test_tpu_preempted_vm_is_deleted_and_created_anew(env, tokenizer, sub, state):
+    proc = _run(TPU, env, sub, **POD, TOKENIZER=tokenizer, SPOT="1", STUB_TPU_STATE=state)
+    assert proc.returncode == 0, proc.stderr
+    assert f"is {state}" in proc.stdout and "creating it anew" in proc.stdout
+    calls = _calls(Path(env["STUB_LOG"]))
+    assert [c[4] for c in calls] == ["describe", "delete", "create", "scp", "scp", "ssh", "ssh"]
+    assert calls[1][5] == "prolip-v5p" and "--quiet" in calls[1]
+    assert {"--accelerator-type=v5p-64", "--spot"} <= set(calls[2])
+    assert "--workdir=gs://bkt/prolip/run1" in _command(calls[-1])  # the same WORKDIR: the run resumes
+
+
+def test_tpu_waits_for_a_vm_on_its_way_to_ready(env, tokenizer):
+    proc = _run(TPU, env, **POD, TOKENIZER=tokenizer, STUB_TPU_STATE="CREATING CREATING READY", POLL_INTERVAL="0")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("is CREATING: waiting") == 1 and "reusing TPU VM prolip-v5p" in proc.stdout
+    assert [c[4] for c in _calls(Path(env["STUB_LOG"]))] == ["describe"] * 3 + ["scp", "scp", "ssh", "ssh"]
+    # one being deleted: once it is gone, a new one is created
+    Path(env["STUB_LOG"]).unlink()
+    proc = _run(TPU, env, **POD, TOKENIZER=tokenizer, STUB_TPU_STATE="DELETING NOT_FOUND", POLL_INTERVAL="0")
+    assert proc.returncode == 0, proc.stderr
+    assert [c[4] for c in _calls(Path(env["STUB_LOG"]))][:3] == ["describe", "describe", "create"]
+
+
+def test_tpu_wait_for_ready_is_bounded(env, tokenizer):
+    proc = _run(TPU, env, **POD, TOKENIZER=tokenizer, STUB_TPU_STATE="CREATING", READY_TIMEOUT="1",
+                POLL_INTERVAL="0.1")
+    line = _one_error_line(proc)
+    assert "still CREATING after 1 s" in line and "READY_TIMEOUT" in line and "delete" in line
+    calls = _calls(Path(env["STUB_LOG"]))
+    assert len(calls) >= 2 and {c[4] for c in calls} == {"describe"}
+
+
+@pytest.mark.parametrize("state, hint", [("STOPPED", "tpu-vm start prolip-v5p"), ("HIDDEN", "delete")])
+def test_tpu_wait_stops_at_once_on_a_state_that_never_becomes_ready(env, tokenizer, state, hint):
+    start = time.monotonic()
+    proc = _run(TPU, env, **POD, TOKENIZER=tokenizer, STUB_TPU_STATE=f"CREATING {state}", READY_TIMEOUT="600",
+                POLL_INTERVAL="0")
+    line = _one_error_line(proc)
+    assert f"is {state}" in line and hint in line
+    assert time.monotonic() - start < 30
+    assert [c[4] for c in _calls(Path(env["STUB_LOG"]))] == ["describe", "describe"]
 
 
 def test_tpu_data_source_follows_the_shard_names(env, tokenizer):
@@ -337,6 +424,43 @@ def test_slurm_setup_builds_the_cuda_extra(env, tmp_path):
     assert f"+ python3.11 -m venv {tmp_path / 'v'}" in proc.stdout
     assert (f"+ {tmp_path / 'v'}/bin/python -m pip install -q -c {ROOT}/requirements/constraints-cuda.txt "
             f"-e '{ROOT}[cuda]'") in proc.stdout
+
+
+# A stand-in Python of a given version: answers -V and setup's version check.
+PYTHON_STUB = r"""#!/usr/bin/env bash
+v=%s
+case $1 in
+  -V) echo "Python $v" ;;
+  -c) IFS=. read -r major minor _ <<< "$v"; ((major > 3 || (major == 3 && minor >= 11))) ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("pythons, picked", [
+    ({"python3.13": "3.13.1", "python3.12": "3.12.3", "python3.11": "3.11.9", "python3": "3.13.1"}, "python3.11"),
+    ({"python3.13": "3.13.1", "python3.12": "3.12.3", "python3": "3.12.3"}, "python3"),
+    ({"python3.13": "3.13.1", "python3": "3.10.12"}, "no python3.11 on PATH and python3 is Python 3.10.12"),
+    ({}, "no python3.11 or python3 on PATH"),
+], ids=["3.11-first", "python3-if-3.11-or-newer", "python3-too-old", "none"])
+def test_slurm_setup_picks_python_3_11_as_the_lock_and_the_makefile(env, tmp_path, pythons, picked):
+    # PATH: these stubs and every system command but the host's own pythons
+    stubs, system = tmp_path / "pythons", tmp_path / "system"
+    stubs.mkdir(), system.mkdir()
+    for folder in ("/usr/bin", "/bin"):
+        for name in os.listdir(folder):
+            if not name.startswith("python") and not (system / name).exists():
+                (system / name).symlink_to(Path(folder) / name)
+    for name, version in pythons.items():
+        (stubs / name).write_text(PYTHON_STUB % version)
+        (stubs / name).chmod(0o755)
+    path = f"{env['PATH'].split(':')[0]}:{stubs}:{system}"
+    proc = _run(SLURM, {**env, "PATH": path}, "setup", "--dry-run", VENV=str(tmp_path / "v"))
+    if picked.startswith("python"):
+        assert proc.returncode == 0, proc.stderr
+        assert f"+ {picked} -m venv {tmp_path / 'v'}" in proc.stdout
+    else:
+        line = _one_error_line(proc)
+        assert picked in line and "PYTHON=/path/to/python3.11" in line
 
 
 def test_slurm_submit_and_resubmit(env, venv):
