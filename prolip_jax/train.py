@@ -49,8 +49,8 @@ from prolip_jax import config_args, library_logs, messages, objectives, optim, o
 from prolip_jax import paths, peers
 from prolip_jax import step as step_lib
 from prolip_jax.data import BatchFetcher, DataStalled, build_train_data
-from prolip_jax.metrics import MetricWriter
-from prolip_jax.models import ProLIP, ProLIPConfig, get_config
+from prolip_jax.metrics import JSONL_NAME, TB_DIR, MetricWriter
+from prolip_jax.models import ProLIP, ProLIPConfig, abstract_params, get_config
 from prolip_jax.models import layout
 from prolip_jax.models.config import PAPER_INIT_LOGIT_SCALE
 from prolip_jax.models.transformer import REMAT_POLICIES, BlockLevers
@@ -338,13 +338,55 @@ def warm_started(state: step_lib.TrainState, apply: Any, shardings: step_lib.Tra
     return state.replace(params=params)
 
 
+def check_same_model(saved: ProLIPConfig, current: ProLIPConfig, where: Path) -> None:
+    """A workdir's checkpoint restores only into a model of its parameter shapes: otherwise one
+    line naming the fields that differ, before orbax compares the trees."""
+    def shapes(cfg: ProLIPConfig) -> dict[str, tuple[int, ...]]:
+        flat = jax.tree_util.tree_flatten_with_path(abstract_params(cfg))[0]
+        return {jax.tree_util.keystr(k): tuple(v.shape) for k, v in flat}
+
+    if shapes(saved) == shapes(current):
+        return
+    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(d, dict):
+            return {prefix: d}
+        return {k: v for key, value in d.items() for k, v in flat(value, f"{prefix}{key}.").items()}
+
+    old, new = flat(saved.to_dict()), flat(current.to_dict())
+    sizes = [k for k in sorted({*old, *new}) if old.get(k) != new.get(k)  # the integer fields set the shapes
+             and all(isinstance(v, int) and not isinstance(v, bool) for v in (old.get(k), new.get(k)))]
+    fields = [f"{k.rstrip('.')} {old[k]} -> {new[k]}" for k in sizes] or ["other parameter shapes"]
+    raise ValueError(f"{where} holds a run of another model ({messages.few(fields)}): pass another --workdir "
+                     "for this model, or the config that run was started with")
+
+
+def check_workdir(workdir: str) -> None:
+    """Before anything is written: --workdir must be a folder that is new, empty, or holds a run
+    (names the trainer or the launch scripts write), never a file or a folder of other files."""
+    if paths.isfile(workdir):
+        raise ValueError(f"--workdir {workdir} is a file, not a folder: pass a new folder, or the workdir of "
+                         "the run to resume")
+    names = paths.listdir(workdir) if paths.isdir(workdir) else []
+    if names and not any(n in RUN_NAMES or n.startswith(RUN_PREFIXES) for n in names):
+        raise ValueError(f"--workdir {workdir} holds other files ({messages.few(sorted(names))}) and no run: "
+                         "pass a new or empty folder (checkpoints, logs and tb/ go there)")
+
+
+# What a run leaves in its workdir (and the SLURM script's logs): a folder with any of them is a run's.
+RUN_NAMES = ("checkpoints", JSONL_NAME, TB_DIR, "parameters.txt", "best", "swa",
+             "eval", "slurm", "profile", "noisy_pairs.json")
+RUN_PREFIXES = ("train.", "warm_start.")
+
+
 def restore(mngr: ocp.CheckpointManager, step: int, model: ProLIP, tx: Any, shardings: step_lib.TrainState,
             mesh: Any, tc: TrainConfig, traced: step_lib.ParamTrace, data: Any) -> step_lib.TrainState:
     """The train state saved at `step`, on this run's mesh and optimiser. Fine-tuning controls
     (lock, groups, layer_decay) set the optimiser state's layout: a checkpoint saved under other
     ones is restored in its own layout, then its Adam moments move over by parameter path.
     `traced`: the run's model traced (step.trace_params)."""
-    saved_cfg = ckpt_lib.load_config(mngr.directory, step)[1].get("train_config", {})
+    saved_model, meta, _ = ckpt_lib.load_config(mngr.directory, step)
+    check_same_model(saved_model, model.config, Path(mngr.directory).parent)
+    saved_cfg = meta.get("train_config", {})
     saved = saved_cfg.get("optim", {})
     # A checkpoint of the other block layout (model.scan_layers) is restored in its own, then converted.
     scanned = bool(saved_cfg.get("model", {}).get("scan_layers", False))
@@ -458,6 +500,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
     Library logging (orbax, grain, absl) goes to WORKDIR/train.log, not the console
     (prolip_jax/library_logs.py; process i > 0: train.process_<i>.log).
     """
+    check_workdir(workdir)
     with library_logs.to_file(paths.as_path(workdir) / library_logs.log_name(jax.process_index())):
         return _train(config, workdir, stop_at_step=stop_at_step)
 

@@ -419,3 +419,48 @@ def test_a_lost_process_ends_the_other_in_one_line(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     assert "resumed from" in outs[0][0]
     assert checkpoint.resolve(tmp_path / "w" / "checkpoints")[1] == 6
+
+
+def test_resuming_with_another_model_is_one_line(run, tmp_path, capfd):
+    """Another model size in a workdir of a run: one line naming what differs, nothing written."""
+    w = copy_of(run, tmp_path)
+    before = sorted(p.relative_to(w) for p in w.rglob("*"))
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["train"] + CLI + ["--workdir", str(w), "--config.model.variant=tiny", "--config.data.image_size=32"])
+    assert exit_.value.code == 2
+    line = one_line(capfd.readouterr().err)
+    assert line.startswith(f"error: {w} holds a run of another model (") and len(line) < 400, line
+    assert "(embed_dim 32 -> 64, text_cfg.context_length 8 -> 16, text_cfg.layers 1 -> 2, and 6 more)" in line and line.endswith(
+        "pass another --workdir for this model, or the config that run was started with")
+    assert sorted(p.relative_to(w) for p in w.rglob("*") if not p.name.startswith("train")) == \
+        [p for p in before if not p.name.startswith("train")]
+
+
+@pytest.mark.parametrize("kind", ["file", "other files"])
+def test_a_workdir_that_is_not_a_runs_is_one_line_before_anything_is_written(tmp_path, capfd, kind):
+    w = tmp_path / "w"
+    if kind == "file":
+        w.write_text("notes")
+    else:
+        (w / "photos").mkdir(parents=True)
+        (w / "notes.txt").write_text("mine")
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["train"] + CLI + ["--workdir", str(w)])
+    assert exit_.value.code == 2
+    line = one_line(capfd.readouterr().err)
+    expect = (f"error: --workdir {w} is a file, not a folder" if kind == "file" else
+              f"error: --workdir {w} holds other files (notes.txt, photos) and no run: pass a new or empty folder")
+    assert line.startswith(expect), line
+    assert (w.read_text() == "notes" if kind == "file" else sorted(p.name for p in w.iterdir()) == ["notes.txt", "photos"])
+
+
+def test_a_workdir_of_a_run_or_of_the_launch_scripts_is_accepted(tmp_path):
+    for names in ([], ["slurm"], ["train.log", "my_notes.txt"], ["checkpoints"]):
+        w = tmp_path / "-".join(names or ["empty"])
+        w.mkdir()
+        for n in names:
+            (w / n).mkdir()
+        train.check_workdir(str(w))
+    train.check_workdir(str(tmp_path / "new"))
