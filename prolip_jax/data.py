@@ -139,7 +139,7 @@ def build_train_data(tc: Any, model_config: Any, scfg: Any) -> Any:
                              model_config.text.vocab_size, seed=run.seed)
     data_cfg = {**d, "batch_size": run.batch_size}
     data_cfg.setdefault("seed", run.seed)
-    if d["source"] in ("tar", "array_record") and not d.get("path"):
+    if d["source"] in ("tar", "array_record", "auto") and not d.get("path"):
         raise ValueError(f"data.source={d['source']!r} needs data.path (files, globs or a brace pattern such "
                          "as 'shards/{00000..00009}.tar')")
     if data_cfg.get("tokenizer") and not data_cfg["tokenizer"].get("path") and d["source"] != "demo":

@@ -184,11 +184,9 @@ def parse_config(config) -> TrainConfig:
     data = config.data.to_dict() if "data" in config else {}
     if data:
         schema.check_keys(data.keys(), schema.fields(DataConfig), "config.data")
-        if data.get("source") == DATA_AUTO:  # every part below sees the kind the path names
-            if not data.get("path"):
-                raise ValueError("config.data.source='auto' needs --config.data.path (tar or array_record shards)")
+        if data.get("source") == DATA_AUTO and data.get("path"):  # every part below sees the kind named
             data["source"] = data_paths.source_of_paths(data["path"])
-        if data.get("source") not in ("random", *DATA_SOURCES):
+        if data.get("source") not in ("random", DATA_AUTO, *DATA_SOURCES):
             raise ValueError(f"config.data.source={data.get('source')!r} is not one of "
                              f"{('random', DATA_AUTO, *DATA_SOURCES)}")
     return TrainConfig(run=run, **sections, objective=name, loss=loss, data=data)
@@ -347,6 +345,7 @@ def check_same_model(saved: ProLIPConfig, current: ProLIPConfig, where: Path) ->
 
     if shapes(saved) == shapes(current):
         return
+
     def flat(d: Any, prefix: str = "") -> dict[str, Any]:
         if not isinstance(d, dict):
             return {prefix: d}

@@ -90,7 +90,7 @@ def test_own_data_config_parses_with_overrides():
     assert config.data.tokenizer.path == "/data/tok.model" and config.data.tokenizer.context_length == 16
     assert config.masking.mask_token_id == 5 and tuple(config.masking.protected_ids) == (0, 1)
     # the small-scale loss weights, not the paper's (which leave sigma^2 at init in a short run)
-    assert (config.loss.vib_beta, config.loss.alpha_image_text) == (0.1, 1e-3)
+    assert (config.loss.vib_beta, config.loss.alpha_image_text) == (1e-3, 1e-3)
     mcfg = train.model_config(train.parse_config(config))
     assert (mcfg.vision.image_size, mcfg.text.context_length) == (config.data.image_size, 16)
     # size=small: a model file of its own, image size and context to match
