@@ -86,6 +86,7 @@ class BatchFetcher:
     worker that never answers) after `timeout_s` instead of waiting forever."""
 
     POLL_S = 0.2
+    abandoned = False  # a fetcher closed with a read in flight: its threads may never end
 
     def __init__(self, iterator: Any, timeout_s: float):
         self.iterator, self.timeout_s = iterator, timeout_s
@@ -127,6 +128,24 @@ class BatchFetcher:
             if ok:
                 return value
             raise value
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Closes the iterator. With a read still in flight (it hangs), the close runs beside it
+        and is given `timeout_s`; its failure goes to the log: the process is ending anyway."""
+        if not self.in_flight:
+            self.iterator.close()
+            return
+
+        def close() -> None:
+            try:
+                self.iterator.close()
+            except Exception:  # noqa: BLE001 - the workers of a hung read may never have started
+                logging.getLogger(__name__).warning("closing the data pipeline", exc_info=True)
+
+        BatchFetcher.abandoned = True
+        closing = threading.Thread(target=close, name="batch-fetcher-close", daemon=True)
+        closing.start()
+        closing.join(timeout_s)
 
 
 def build_train_data(tc: Any, model_config: Any, scfg: Any) -> Any:

@@ -819,8 +819,7 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
             except Exception:  # noqa: BLE001 - already reported in one line; the details in train.log
                 logging.getLogger("absl").exception("closing the checkpoint manager")
         writer.close()
-        if not fetch.in_flight:  # a read that hangs would hang its close too; the process ends anyway
-            data.close()
+        fetch.close()
         if best is not None:
             best.close()
 
@@ -935,4 +934,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    code = 1
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        if BatchFetcher.abandoned:  # a hung read's library threads and worker processes cannot end cleanly
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    sys.exit(code)

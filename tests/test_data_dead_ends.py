@@ -163,10 +163,12 @@ def test_the_fetcher_hands_over_batches_errors_and_stalls():
 
 # A bucket whose reads never answer (a stuck mount), as a filesystem of the path layer.
 HANGING_FS = textwrap.dedent("""
-    import threading, fsspec
+    import os, threading, fsspec
     class Hanging(fsspec.AbstractFileSystem):
         protocol = "hang"
         def _open(self, path, mode="rb", **kwargs):
+            if os.environ.get("HANG_MARK"):  # tells the test the read has begun
+                open(os.environ["HANG_MARK"], "w").close()
             threading.Event().wait()
     fsspec.register_implementation("hang", Hanging, clobber=True)
 """)
@@ -182,17 +184,18 @@ def test_a_stalled_pipeline_is_one_line(files, tmp_path, capfd):
 
 def signal_a_run_waiting_for_data(files, tmp_path, sig) -> tuple[int, str, str, float]:
     """(exit code, stdout, stderr, seconds from the signal to the exit) of a run whose first read
-    hangs, sent `sig` once the model is built and that read has begun."""
+    hangs, sent `sig` once that read has begun."""
     script = "import sys\n" + HANGING_FS + "from prolip_jax import train\ntrain.main(sys.argv)\n"
     argv = cli(files, tmp_path / "w", "--config.data.path=hang://bucket/x.tar", "--config.data.source=tar")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    mark = tmp_path / "reading"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+           "HANG_MARK": str(mark)}
     proc = subprocess.Popen([sys.executable, "-c", script, *argv[1:]], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        for line in proc.stdout:  # the parameter line: the model is built, the first read begins
-            if "parameters" in line:
-                break
-        time.sleep(1.0)
+        deadline = time.monotonic() + 120
+        while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
         sent = time.monotonic()
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=30)
