@@ -148,10 +148,11 @@ def train_seed(out: Path, data: Path, seed: int, steps: int, eval_every: int, ex
          "--out", str(eval_out), f"--config.root={data / 'digits'}", "--config.split=val", "--overwrite"],
         out / f"seed{seed}.log")
     records = metrics.read_jsonl(str(wd / metrics.JSONL_NAME))
-    curve = [(r["step"], r[k]) for r in records for k in r if k.startswith("zeroshot/") and k.endswith("top1_csd")]
+    curve = [(r["step"], r[k]) for r in records for k in r
+             if k.startswith("zeroshot/") and k.count("/") == 2 and k.endswith("/top1_csd")]  # not per class
     losses = [(r["step"], r["loss/ppcl"]) for r in records if "loss/ppcl" in r]
     final = json.loads((eval_out / "results.json").read_text())
-    top1 = next(v for k, v in final.items() if k.endswith("top1_csd"))  # in % (the project's unit)
+    top1 = next(v for k, v in final.items() if k.count("/") == 2 and k.endswith("/top1_csd"))  # in %
     result = dict(seed=seed, top1=top1, curve=curve,
                   first_above_50=next((s for s, v in curve if v >= 50.0), None),
                   ppcl_at_300=next((v for s, v in losses if s >= 300), None), train_seconds=seconds)
