@@ -146,7 +146,10 @@ def _status(exc: BaseException) -> int | None:
 
 def _detail(exc: BaseException) -> str:
     """The first line of an exception's message (gcsfs's 403 carries the server's text after it)."""
-    text = str(exc).strip().splitlines()
+    try:
+        text = str(exc).strip().splitlines()
+    except Exception:  # noqa: BLE001 - an exception whose __str__ fails still has a name
+        text = []
     return (text[0] if text else type(exc).__name__)[:200]
 
 
@@ -161,7 +164,7 @@ def _kind_of(exc: BaseException) -> tuple[str, BaseException] | None:
         if isinstance(e, ImportError):
             return "backend", e
         if status in (401, 403) or name in _CREDENTIAL_NAMES or isinstance(e, PermissionError) or (
-                isinstance(e, OSError) and str(e).startswith("Forbidden")):  # gcsfs's HTTP 403
+                isinstance(e, OSError) and _detail(e).startswith("Forbidden")):  # gcsfs's HTTP 403
             return "credentials", e
         if status == 404 or isinstance(e, FileNotFoundError) or name == "NotFound":
             return "not_found", e
@@ -306,7 +309,9 @@ def check_reachable(url: PathLike, what: str = "", flag: str = "", must_exist: b
         thread.start()
         thread.join(PROBE_TIMEOUT_S)
         if not outcome:
-            raise TimeoutError(f"no answer within {PROBE_TIMEOUT_S:g} s")
+            hint = ("; without credentials off Google Cloud, gcsfs first polls the metadata server: log in, "
+                    "or set NO_GCE_CHECK=true" if endpoint is not None else "")
+            raise TimeoutError(f"no answer within {PROBE_TIMEOUT_S:g} s{hint}")
         if outcome[0] is not None:
             raise outcome[0]
     _probed.add((scheme, _bucket(url)))
