@@ -22,7 +22,7 @@ refuses the credentials (BucketAccessDenied, a PermissionError), or the object i
 (BucketNotFound, a FileNotFoundError). `bucket_error` classifies a backend's exception by its
 type's name and module, so gcsfs, aiohttp and google-auth need not be importable here. The first
 touch of each bucket runs a probe (`check_reachable`): gcsfs retries a failed connection six
-times with backoff (about 30 s per call, gcsfs/retry.py) and, without credentials, polls the
+times with exponential backoff (gcsfs/retry.py) and, without credentials, polls the
 Compute Engine metadata server five times (google-auth), logging tracebacks throughout; the
 probe fails fast instead, with those libraries' loggers kept off the console.
 """
@@ -100,7 +100,7 @@ class BucketNotFound(BucketError, FileNotFoundError):
     kind = "not_found"
 
 
-# Seconds the probe waits for a first answer from a store (each gcsfs call retries for ~30 s).
+# Seconds the probe waits for a first answer from a store (gcsfs retries each call with backoff).
 PROBE_TIMEOUT_S = 8.0
 # Seconds to open a TCP connection to a store's endpoint before any backend call.
 CONNECT_TIMEOUT_S = 3.0
