@@ -73,15 +73,16 @@ def save_params(directory: str | os.PathLike, params: Mapping[str, Any], config:
 
 
 def resolve(path: str | os.PathLike, step: int | None = None) -> tuple[Path, int]:
-    """(manager root, step) for a CKPT root (latest or given step) or a CKPT/<step> path."""
-    path = Path(path).absolute()
-    if not path.is_dir():
+    """(manager root, step) for a CKPT root (latest or given step) or a CKPT/<step> path; a
+    bucket URL's root comes back as an etils epath (pathlib would fold `gs://` into `gs:/`)."""
+    path = paths.as_path(path) if paths.is_url(path) else Path(path).absolute()
+    if not paths.isdir(path):
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    if (path / PARAMS).is_dir() and path.name.isdigit():  # a single step directory
+    if path.name.isdigit() and paths.isdir(path / PARAMS):  # a single step directory
         if step is not None and step != int(path.name):
             raise ValueError(f"{path} is step {path.name}, but step={step} was asked for")
         return path.parent, int(path.name)
-    steps = sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and (p / PARAMS).is_dir())
+    steps = sorted(int(n) for n in paths.listdir(path) if n.isdigit() and paths.isdir(path / n / PARAMS))
     if not steps:
         raise FileNotFoundError(f"{path} holds no complete checkpoint (expected <step>/{PARAMS}/ "
                                 "sub-directories as written by prolip_jax)")

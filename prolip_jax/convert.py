@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import numpy as np
@@ -329,19 +328,19 @@ def flax_to_torch(params: Mapping[str, Any], config: ProLIPConfig, layout: str =
 
 # ---------------------------------------------------------------------- Hugging Face folder
 def load_hf(hf_dir: str | os.PathLike) -> tuple[dict, ProLIPConfig]:
-    """Reads `config.json` + `model.safetensors` (as `ProLIPHF.save_pretrained` writes)."""
-    hf_dir = Path(hf_dir)
-    if not hf_dir.is_dir():
+    """Reads `config.json` + `model.safetensors` (as `ProLIPHF.save_pretrained` writes), from a
+    local folder or any fsspec URL (the path layer)."""
+    if not fs.isdir(hf_dir):
         raise FileNotFoundError(f"{hf_dir} is not a directory (expected a Hugging Face folder with "
                                 f"{CONFIG_NAME} and {WEIGHTS_NAME})")
-    cfg_path, w_path = hf_dir / CONFIG_NAME, hf_dir / WEIGHTS_NAME
-    if not cfg_path.is_file():
+    cfg_path, w_path = fs.join(hf_dir, CONFIG_NAME), fs.join(hf_dir, WEIGHTS_NAME)
+    if not fs.isfile(cfg_path):
         raise FileNotFoundError(f"{cfg_path} not found: a ProLIP Hugging Face folder needs {CONFIG_NAME}")
-    if not w_path.is_file():
-        pickled = [p.name for p in hf_dir.glob("*.bin")] + [p.name for p in hf_dir.glob("*.pt")]
+    if not fs.isfile(w_path):
+        pickled = [n for n in fs.listdir(hf_dir) if n.endswith((".bin", ".pt"))]
         hint = f" ({pickled} are pickle files, which are refused; re-save as safetensors)" if pickled else ""
         raise FileNotFoundError(f"{w_path} not found{hint}")
-    config = ProLIPConfig.from_dict(json.loads(cfg_path.read_text()))
+    config = ProLIPConfig.from_dict(json.loads(fs.read_text(cfg_path)))
     return torch_to_flax(read_safetensors(w_path), config), config
 
 
@@ -359,7 +358,7 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
         with safe_open(str(path), framework="flax") as f:  # "flax" also reads bfloat16
             for k in f.keys():
                 out[k] = np.array(f.get_tensor(k), dtype=np.float32)  # writable host copy
-    except ImportError:
+    except (ImportError, OSError):  # a missing package, or the path layer's one-line bucket error
         raise
     except Exception as e:  # safetensors raises its own error types for corrupt headers
         raise ValueError(f"could not read {path} as safetensors: {e}") from e
@@ -367,5 +366,5 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 def is_hf_dir(path: str | os.PathLike) -> bool:
-    p = Path(path)
-    return (p / CONFIG_NAME).is_file() and (p / WEIGHTS_NAME).is_file()
+    """A folder (local, or any fsspec URL) holding config.json and model.safetensors."""
+    return fs.isfile(fs.join(path, CONFIG_NAME)) and fs.isfile(fs.join(path, WEIGHTS_NAME))

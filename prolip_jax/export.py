@@ -70,14 +70,13 @@ def load_hf_preprocessing(hf_dir: str | os.PathLike) -> tuple[Any, Any]:
     """(the recorded tokenizer or None, the normalisation or None) of an exported folder:
     `prolip_tokenizer.json` and `preprocessor_config.json` as `save_hf` writes them. The
     normalisation is a NORMALIZATIONS name when the mean/std are one's, else a (mean, std) pair."""
-    hf_dir = Path(hf_dir)
-    record = hf_dir / tokenizer_files.RECORD_NAME
-    tokenizer = (tokenizer_files.tokenizer_from_record(hf_dir, json.loads(record.read_text()))
-                 if record.is_file() else None)
+    record = paths.join(hf_dir, tokenizer_files.RECORD_NAME)  # the path layer: a URL too
+    tokenizer = (tokenizer_files.tokenizer_from_record(hf_dir, json.loads(paths.read_text(record)))
+                 if paths.isfile(record) else None)
     normalization = None
-    pre = hf_dir / PREPROCESSOR_NAME
-    if pre.is_file():
-        cfg = json.loads(pre.read_text())
+    pre = paths.join(hf_dir, PREPROCESSOR_NAME)
+    if paths.isfile(pre):
+        cfg = json.loads(paths.read_text(pre))
         if "image_mean" in cfg and "image_std" in cfg:
             normalization = normalization_lib.name_of(cfg["image_mean"], cfg["image_std"])
     return tokenizer, normalization

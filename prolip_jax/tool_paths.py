@@ -13,7 +13,10 @@
 The path rule (prolip_jax/pretrained/hub.py): what exists locally is a local path; what looks
 like a path (absolute, `./`, `../`, `~`, more than one `/`, a URL, a file name such as
 `x/model.npz`) is a path, and a missing one is one line, "no such file or folder: X", with no
-network call. Only a missing two-part `org/name` is tried as a Hugging Face repo id; its error
+network call. A URL (any fsspec protocol) is probed first (`paths.check_reachable`): a missing
+backend, no network, refused credentials or nothing there is one line saying which. From a URL
+an exported folder loads through the path layer, a checkpoint only from gs:// (orbax reads its
+arrays through tensorstore, which knows no other fsspec protocol). Only a missing two-part `org/name` is tried as a Hugging Face repo id; its error
 says both that no such local folder exists and what the hub (or its cache) answered.
 
 `check_out(path, overwrite)`: an output folder must be absent or empty unless --overwrite.
@@ -25,10 +28,12 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from prolip_jax import checkpoint, convert
+from prolip_jax import checkpoint, convert, paths
 from prolip_jax.pretrained import hub
 
 Kind = Literal["checkpoint", "hf", "hub", "other"]
+# URL protocols orbax restores a checkpoint from (through tensorstore's own drivers).
+ORBAX_PROTOCOLS = ("gs", "gcs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,26 +43,24 @@ class Located:
     "other": an existing file or folder for load_pretrained."""
 
     kind: Kind
-    path: Path | str
+    path: Path | str  # a URL stays a str (an epath for a bucket checkpoint's root)
     step: int | None = None
 
     @property
     def step_dir(self) -> Path:
         """CKPT/<step> of a "checkpoint"."""
-        return Path(self.path) / str(self.step)
+        return (paths.as_path(self.path) if paths.is_url(self.path) else Path(self.path)) / str(self.step)
 
 
-def locate(path: str | os.PathLike, step: int | None = None) -> Located:
+def locate(path: str | os.PathLike, step: int | None = None, flag: str = "") -> Located:
     """The one rule above. Raises FileNotFoundError (one line) for a missing local path or a
     workdir / manager root without a complete checkpoint, ValueError for a step that the path
-    cannot have (a step folder of another step; a Hugging Face folder has no steps)."""
+    cannot have (a step folder of another step; a Hugging Face folder has no steps) or a
+    checkpoint at a URL orbax cannot read, paths.BucketError for a bucket that cannot be used.
+    `flag`: the option the path came from, named in a bucket's error."""
     s = os.fspath(path).removeprefix("file://")
-    if hub.is_url(s):  # a bucket: only a checkpoint can live there (orbax reads it)
-        for candidate in (s, s.rstrip("/") + "/checkpoints"):
-            if checkpoint.is_checkpoint(candidate):
-                return Located("checkpoint", *checkpoint.resolve(candidate, step))
-        raise FileNotFoundError(f"no prolip_jax checkpoint found at {s} (from a bucket the tools read a training "
-                                "workdir, its checkpoints folder or a step folder)")
+    if hub.is_url(s):
+        return _locate_url(s, step, flag)
     local = Path(s).expanduser()
     if not local.exists():
         if hub.is_repo_id(s):
@@ -76,11 +79,31 @@ def locate(path: str | os.PathLike, step: int | None = None) -> Located:
     return Located("other", local, step)
 
 
-def _has_steps(folder: Path) -> bool:
+def _locate_url(url: str, step: int | None, flag: str) -> Located:
+    """`locate` of a URL: the same kinds as a local folder, found through the path layer."""
+    paths.check_reachable(url, flag, flag, must_exist=True)
+    if paths.isdir(url):
+        ckpts = paths.join(url, "checkpoints")
+        root = url if _has_steps(url) else ckpts if paths.isdir(ckpts) else None
+        if root is not None:
+            if paths.protocol(url) not in ORBAX_PROTOCOLS:
+                raise ValueError(f"{url} is a prolip_jax checkpoint, which loads from gs:// or local disk only "
+                                 f"(orbax reads {paths.protocol(url)}:// through no driver): copy it to local disk "
+                                 "and pass that folder, or export it (scripts/convert_to_pytorch.py)")
+            return Located("checkpoint", *checkpoint.resolve(root, step))
+        if convert.is_hf_dir(url):
+            if step is not None:
+                raise ValueError(f"{url} is a Hugging Face folder (one model, no steps): drop --step {step}")
+            return Located("hf", url)
+    return Located("other", url, step)
+
+
+def _has_steps(folder: Path | str) -> bool:
     """A manager root or a step folder: `<step>/params` below it, or `params` in a <step> folder."""
-    if folder.name.isdigit() and (folder / checkpoint.PARAMS).is_dir():
+    name = os.fspath(folder).rstrip("/").rsplit("/", 1)[-1]
+    if name.isdigit() and paths.isdir(paths.join(folder, checkpoint.PARAMS)):
         return True
-    return any(p.name.isdigit() and (p / checkpoint.PARAMS).is_dir() for p in folder.iterdir())
+    return any(n.isdigit() and paths.isdir(paths.join(folder, n, checkpoint.PARAMS)) for n in paths.listdir(folder))
 
 
 def check_out(path: str | os.PathLike, overwrite: bool, flag: str = "--out") -> Path:

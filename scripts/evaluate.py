@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         evaluate(args.checkpoint, config, Path(args.out), step=args.step, only=only,
                  skip_missing=args.skip_missing, plots=not args.no_plots, overwrite=args.overwrite)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:  # data / class names / checkpoint: say what, one line
+    except (ValueError, OSError) as e:  # data / class names / checkpoint / bucket (paths.BucketError): one line
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2
     return 0

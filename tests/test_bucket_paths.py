@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -67,14 +68,172 @@ def test_the_layer_reads_lists_and_writes_a_bucket(bucket):
     assert (paths.as_path("gs://b/a") / "x.txt").read_text() == "hello"  # epath reaches it too
 
 
-def test_a_bucket_without_its_backend_is_one_line_naming_the_package():
-    if importlib.util.find_spec("gcsfs") is not None:
-        pytest.skip("gcsfs is installed")
-    for call in (lambda: paths.read_bytes("gs://b/x"), lambda: paths.as_path("gs://b/x")):
-        with pytest.raises(ImportError) as err:
+@pytest.fixture(autouse=True)
+def fresh_probes(monkeypatch):
+    """Each test probes its buckets anew (the path layer remembers buckets that answered)."""
+    monkeypatch.setattr(paths, "_probed", set(), raising=False)  # raising=False: the suite also runs on older code
+
+
+def _no_backend(monkeypatch):
+    """fsspec as it is without gcsfs: gs:// names a package that is not installed."""
+    registry = importlib.import_module("fsspec.registry")
+    for name in FakeGCS.protocol:
+        monkeypatch.delitem(registry._registry, name, raising=False)
+        monkeypatch.setitem(registry.known_implementations, name,
+                            {"class": "gcsfs_not_installed_x.GCSFileSystem", "err": "Please install gcsfs"})
+
+
+def test_a_bucket_without_its_backend_is_one_line_naming_the_package(monkeypatch):
+    _no_backend(monkeypatch)
+    for call in (lambda: paths.read_bytes("gs://b/x"), lambda: paths.as_path("gs://b/x"),
+                 lambda: paths.isfile("gs://b/x"), lambda: paths.check_reachable("gs://b/x", "--workdir", "--workdir")):
+        with pytest.raises(paths.BucketBackendMissing) as err:
             call()
         assert "\n" not in str(err.value) and "pip install gcsfs" in str(err.value)
-        assert "gs://b/x" in str(err.value)
+        assert "gs://b/x" in str(err.value) and err.value.kind == "backend"
+
+
+# ------------------------------------------------------------------ the kinds of bucket error
+def _named(name: str, module: str, base: type = Exception, real: bool = True) -> type:
+    """The real exception class where its package is installed (and `real`), else a look-alike of
+    the same name and module (the path layer classifies by name and module, never by importing them)."""
+    try:
+        if not real:
+            raise ImportError(module)
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return type(name, (base,), {"__module__": module, "lookalike": True})
+
+
+def _dns_error(real: bool) -> BaseException:
+    """What gcsfs raises, out of retries, with no network: aiohttp's ClientConnectorDNSError."""
+    import types
+
+    cls = _named("ClientConnectorDNSError", "aiohttp.client_exceptions", OSError, real)
+    cause = OSError(-2, "Name or service not known")
+    if getattr(cls, "lookalike", False):
+        e = cls(-2, "Cannot connect to host storage.googleapis.com:443 ssl:default [Name or service not known]")
+    else:
+        e = cls(types.SimpleNamespace(host="storage.googleapis.com", port=443, ssl=True), cause)
+    e.__cause__ = cause
+    return e
+
+
+def _http_401(real: bool) -> BaseException:
+    """gcsfs's HttpError for a 401 (an anonymous caller on a private bucket)."""
+    cls = _named("HttpError", "gcsfs.retry", Exception, real)
+    e = cls.__new__(cls)
+    Exception.__init__(e, "Anonymous caller does not have storage.objects.get access, 401")
+    e.code, e.message = 401, "Anonymous caller does not have storage.objects.get access, 401"
+    return e
+
+
+def _no_credentials(real: bool) -> BaseException:
+    cls = _named("DefaultCredentialsError", "google.auth.exceptions", Exception, real)
+    return cls("Your default credentials were not found.")
+
+
+FAULTS = {  # kind -> (the exception the store raises, the paths class of the one-line error, words of it)
+    "network": (_dns_error, "BucketUnreachable", "cannot reach the store"),
+    "credentials-401": (_http_401, "BucketAccessDenied", "credentials"),
+    "credentials-403": (lambda real: OSError("Forbidden: b/run\nno storage.objects.get access"), "BucketAccessDenied",
+                        "credentials"),
+    "credentials-none": (_no_credentials, "BucketAccessDenied", "gcloud auth application-default login"),
+}
+
+
+class FaultyGCS(FakeGCS):
+    """The stand-in whose every call raises `fault` (and logs as gcsfs does while retrying)."""
+
+    fault = None
+
+    def _raise(self, *args, **kwargs):
+        import logging
+
+        logging.getLogger("gcsfs").warning("Could not determine bucket type for bucket name b")
+        try:
+            raise type(self).fault()
+        except Exception:
+            logging.getLogger("gcsfs").exception("_request out of retries on exception")
+            raise
+
+    info = ls = _open = makedirs = find = _raise
+
+
+@pytest.fixture
+def faulty(bucket, monkeypatch):
+    """gs:// served by FaultyGCS; returns a setter of its fault."""
+    for name in FakeGCS.protocol:
+        monkeypatch.setitem(importlib.import_module("fsspec.registry")._registry, name, FaultyGCS)
+    return lambda fault: monkeypatch.setattr(FaultyGCS, "fault", staticmethod(fault))
+
+
+@pytest.mark.parametrize("real", [True, False], ids=["installed", "lookalike"])
+@pytest.mark.parametrize("kind", sorted(FAULTS))
+def test_each_kind_of_bucket_fault_is_one_line_naming_it(kind, real, faulty, capfd):
+    """What check_workdir, locate and every reader call: one line of the right kind, not a False
+    (fsspec's isfile / isdir / exists swallow any error) nor the backend's traceback."""
+    make, name, words = FAULTS[kind]
+    cls = getattr(paths, name)
+    faulty(lambda: make(real))
+    from prolip_jax import tool_paths
+
+    calls = {"check_reachable": lambda: paths.check_reachable("gs://b/run", "--workdir", "--workdir"),
+             "isfile": lambda: paths.isfile("gs://b/run"), "isdir": lambda: paths.isdir("gs://b/run"),
+             "listdir": lambda: paths.listdir("gs://b/run"), "read": lambda: paths.read_bytes("gs://b/run/x"),
+             "locate": lambda: tool_paths.locate("gs://b/run", flag="--checkpoint")}
+    for name, call in calls.items():
+        paths._probed.clear()
+        with pytest.raises(cls) as err:
+            call()
+        msg = str(err.value)
+        assert "\n" not in msg and "gs://b/run" in msg and words in msg, (name, msg)
+    assert "--workdir gs://b/run" in str(pytest.raises(cls, paths.check_reachable, "gs://b/run", "--workdir",
+                                                          "--workdir").value)
+    out, errs = capfd.readouterr()
+    assert out == "" and errs == ""  # gcsfs's warnings and tracebacks stay off the console
+
+
+def test_a_missing_bucket_object_is_not_found_and_a_new_workdir_is_fine(bucket):
+    from prolip_jax import tool_paths
+
+    paths.check_reachable("gs://b/new-run", "--workdir", "--workdir")  # a new workdir: nothing there yet
+    assert not paths.isfile("gs://b/new-run") and not paths.isdir("gs://b/new-run")
+    with pytest.raises(paths.BucketNotFound) as err:
+        paths.check_reachable("gs://b/none", "--checkpoint", "--checkpoint", must_exist=True)
+    assert isinstance(err.value, FileNotFoundError) and "\n" not in str(err.value)
+    with pytest.raises(FileNotFoundError, match="gs://b/none: no such bucket, file or folder"):
+        tool_paths.locate("gs://b/none")
+
+
+def test_a_store_that_does_not_answer_is_unreachable_within_the_probe_deadline(faulty, monkeypatch):
+    import threading
+    import time
+
+    release = threading.Event()
+    faulty(lambda: release.wait(60) and FileNotFoundError())  # hangs as gcsfs's retries do
+    monkeypatch.setattr(paths, "PROBE_TIMEOUT_S", 0.5)
+    start = time.perf_counter()
+    try:
+        with pytest.raises(paths.BucketUnreachable, match=r"no answer within 0.5 s"):
+            paths.isdir("gs://b/run")
+        assert time.perf_counter() - start < 5
+    finally:
+        release.set()
+
+
+def test_the_real_gcsfs_answers_in_one_line_within_15_s(capfd):
+    """With gcsfs installed and whatever network there is: one line of one of the four kinds."""
+    pytest.importorskip("gcsfs")
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(paths.BucketError) as err:
+        paths.check_reachable("gs://prolip-jax-test-no-such-bucket-3f9c2/run", "--checkpoint", "--checkpoint",
+                              must_exist=True)
+    assert time.perf_counter() - start < 15
+    assert "\n" not in str(err.value) and err.value.kind in ("network", "credentials", "not_found")
+    assert capfd.readouterr() == ("", "")
 
 
 def _wordlevel_json(path):
@@ -198,3 +357,107 @@ def test_a_training_workdir_in_a_bucket(bucket, monkeypatch):
     assert [s for s, _ in scalars["loss"]] == [1, 2]
     assert (run / "checkpoints" / "2").is_dir()
     assert not Path("gs:").exists()  # nothing landed in a local folder named after the URL
+
+
+# ------------------------------------------------------------- models from a URL (prolip_jax.load)
+@pytest.fixture
+def exported(micro, tmp_path):
+    """A local exported folder (config.json + model.safetensors + preprocessor_config.json)."""
+    from prolip_jax import export
+    from prolip_jax.models import get_config
+
+    return export.save_hf(tmp_path / "hf", micro[1], get_config("micro"), normalization="0.5")
+
+
+@pytest.fixture
+def memory_root():
+    """A fresh folder in fsspec's in-memory filesystem, removed afterwards."""
+    import uuid
+
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    root = f"/prolip-test-{uuid.uuid4().hex[:8]}"
+    yield fs, root
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+def test_an_exported_folder_loads_from_any_fsspec_url(exported, bucket, memory_root):
+    import jax
+
+    import prolip_jax
+
+    fs, root = memory_root
+    fs.put(str(exported), root + "/hf", recursive=True)
+    shutil.copytree(exported, bucket / "b" / "hf")
+    want = prolip_jax.load(exported)
+    for url in (f"memory://{root}/hf", "gs://b/hf"):
+        got = prolip_jax.load(url)
+        assert got.step is None and got.normalization == want.normalization == "0.5", url
+        for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="Hugging Face folder .* drop --step 3"):
+        prolip_jax.load("gs://b/hf", step=3)
+
+
+def test_a_checkpoint_at_a_url_orbax_cannot_read_is_one_line(micro, tmp_path, memory_root):
+    from prolip_jax import checkpoint, tool_paths
+    from prolip_jax.models import get_config
+
+    fs, root = memory_root
+    checkpoint.save_params(tmp_path / "run" / "checkpoints", micro[1], get_config("micro"), step=2)
+    fs.put(str(tmp_path / "run"), root + "/run", recursive=True)
+    for url in (f"memory://{root}/run", f"memory://{root}/run/checkpoints", f"memory://{root}/run/checkpoints/2"):
+        with pytest.raises(ValueError) as err:
+            tool_paths.locate(url)
+        msg = str(err.value)
+        assert "\n" not in msg and "loads from gs:// or local disk only" in msg and url in msg
+
+
+def test_a_bucket_checkpoint_is_located_through_the_path_layer(micro, bucket):
+    from prolip_jax import checkpoint, tool_paths
+    from prolip_jax.models import get_config
+
+    checkpoint.save_params(bucket / "b" / "run" / "checkpoints", micro[1], get_config("micro"), step=2)
+    for url in ("gs://b/run", "gs://b/run/checkpoints", "gs://b/run/checkpoints/2"):
+        where = tool_paths.locate(url)  # on main: "no prolip_jax checkpoint found" (pathlib folded gs://)
+        assert (where.kind, str(where.path), where.step) == ("checkpoint", "gs://b/run/checkpoints", 2)
+        assert str(where.step_dir) == "gs://b/run/checkpoints/2"
+
+
+WRAPPER = """
+import importlib, importlib.util, sys
+sys.path[:0] = [{tests!r}, {scripts!r}]
+import test_bucket_paths as t
+registry = importlib.import_module("fsspec.registry")._registry
+t.FaultyGCS.root = {root!r}
+t.FaultyGCS.fault = staticmethod(lambda: t._dns_error(importlib.util.find_spec("aiohttp") is not None))
+for name in t.FakeGCS.protocol:
+    registry[name] = t.FaultyGCS
+import evaluate
+sys.exit(evaluate.main(sys.argv[1:]))
+"""
+
+
+def test_evaluate_on_an_unreachable_bucket_prints_one_line_within_15_s(tmp_path):
+    """The console of `scripts/evaluate.py --checkpoint gs://...` with no network: one line, exit 2."""
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "gcs").mkdir()
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text(WRAPPER.format(tests=str(root / "tests"), scripts=str(root / "scripts"),
+                                      root=str(tmp_path / "gcs")))
+    start = time.perf_counter()
+    run = subprocess.run([sys.executable, str(wrapper), "--checkpoint", "gs://b/run", "--config",
+                          str(root / "configs" / "eval" / "demo.py"), "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    elapsed = time.perf_counter() - start
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.startswith("error: gs://b/run: cannot reach the store (") and "check the network" in run.stderr
+    assert elapsed < 15
