@@ -43,6 +43,25 @@ def test_help_is_fast_imports_no_jax_and_shows_the_config_args():
     assert "--config configs/tiny.py[:ARGS]; ARGS (key=value,...) and their defaults: steps=200, data=demo" \
         in out.stdout
     assert "data=random    random images/tokens" in out.stdout
+    # Every field --config.FIELD=VALUE can set, the top-level ones first.
+    top = re.search(r"^  top level +(.*?)\n  model\.", out.stdout, re.S | re.M)
+    assert top and {"total_steps", "batch_size", "log_steps", "seed"} <= set(re.split(r",\s+", top.group(1))), out.stdout
+    assert re.search(r"^  optim\. +lr, warmup_steps, ", out.stdout, re.M)
+
+
+@pytest.mark.parametrize("spec", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.py")))
+def test_help_lists_every_field_of_the_config(spec):
+    """The fields help lists (read without jax) are those `--config.FIELD=VALUE` accepts: the
+    config file's and the declared defaults, each section's and the objective's."""
+    config, _ = train.parse_command_line(["prolip_jax.train", "--config", f"{ROOT}/{spec}", "--workdir", "/u"])
+    listed = {name.split(" ")[0]: fields for name, fields in train_flags.config_fields(f"{ROOT}/{spec}")}
+    assert set(listed.pop("top")) == {k for k in config if not hasattr(config[k], "keys")}
+    for name, section in config.items():
+        if name == "evals":
+            assert {f"evals.{e}." for e in section} | {"evals.NAME."} == {k for k in listed if k.startswith("evals.")}
+            assert all(set(listed[f"evals.{e}."]) == set(section[e]) | {"type", "log_steps", "prefix"} for e in section)
+        elif hasattr(section, "keys"):
+            assert listed[name + "."] == list(section) or set(listed[name + "."]) == set(section), name
 
 
 def test_help_without_config_lists_the_configs(capsys):
