@@ -102,20 +102,30 @@ def test_console_of_a_tiny_run(tmp_path, capsys):
     first_step = lines.index(next(line for line in lines if line.startswith("[1/2")))
     assert compiling < compiled < first_step and re.fullmatch(r"compiled in \d+\.\d s", lines[compiled])
 
-    eval_line = next(line for line in lines if line.startswith("[2/2"))
-    shown = {part.split(" ")[0] for part in eval_line.split(" | ")[1:]}
-    row = read_jsonl(str(workdir / "metrics.jsonl"))[-1]
-    evaluated = {k for k in row if k.startswith(("zeroshot/", "retrieval/"))}
+    # Progress: a line of headline training metrics fitting a terminal, and one of each
+    # evaluator's headline on the steps that evaluated; everything else only in the files.
+    progress = [line for line in lines if line.startswith("[")]
+    assert max(map(len, progress)) <= 160, max(progress, key=len)
+    assert re.fullmatch(r"\[1/2  50\.0%\] ETA \? \| loss [\d.]+ \((ppcl|img_inclusion|txt_inclusion|inclusion|vib) [\d.e-]+"
+                        r"(, \w+ [\d.e-]+){2}\) \| samples_per_s [\d.]+ \| lr [\de.-]+ \| \+\d+ more in metrics\.jsonl",
+                        progress[0]), progress[0]
+    train_line, eval_line = (line for line in progress if line.startswith("[2/2"))
+    assert " | loss " in train_line and "zeroshot" not in train_line
+    evaluated = {k for k in read_jsonl(str(workdir / "metrics.jsonl"))[-1] if k.startswith(("zeroshot/", "retrieval/"))}
+    # written once per parent: "zeroshot/object top1_dot 2.8, top1_csd 2.8"
+    shown = {k for k in evaluated if re.search(rf"{re.escape(k.rsplit('/', 1)[0])}( \S+ [\d.]+,)* "
+                                               rf"{re.escape(k.rsplit('/', 1)[1])} [\d.]+", eval_line)}
     assert {"zeroshot/object/top1_csd", "retrieval/demo/csd/i2t_R@1", "retrieval/demo/csd/t2i_R@1"} <= shown
-    assert len(shown & evaluated) <= 4 and len(evaluated) > 40  # a few on the console, all in the file
-    assert f"+{len(evaluated - shown)} more in metrics.jsonl" in eval_line and "unc_bin" not in eval_line
-    assert {"loss", "lr", "step_time_s"} <= shown  # the training metrics stay
+    assert len(shown) <= 4 and len(evaluated) > 40  # a few on the console, all in the file
+    assert re.search(r" \| \+\d+ more in metrics\.jsonl$", eval_line) and "unc_bin" not in eval_line
+    for dropped in ("nonfinite", "skipped_updates", "data/skipped", "samples_per_s_per_device", "step_time_s"):
+        assert f"{dropped} " not in "".join(progress), dropped  # zero counters, per-device rate: files only
 
     assert lines[-2] == f"done: the checkpoint of step 2 is {(workdir / 'checkpoints' / '2').absolute()}; evaluate it with"
     assert (workdir / "checkpoints" / "2").is_dir()
     assert re.fullmatch(rf"  python \S*scripts/evaluate\.py --checkpoint {re.escape(str(workdir))} --config "
                         rf"\S*configs/eval/demo\.py --out {re.escape(str(workdir / 'eval'))}", lines[-1]), lines[-1]
-    assert len(lines) <= 8, lines
+    assert len(lines) <= 9, lines
 
 
 def test_the_evaluate_command_fits_the_run_data():
@@ -126,6 +136,11 @@ def test_the_evaluate_command_fits_the_run_data():
                        ({"source": "tar"}, r"imagefolder\.py --out /runs/x/eval --config\.root=YOUR_IMAGEFOLDER")):
         assert re.fullmatch(r"python \S*scripts/evaluate\.py --checkpoint /runs/x --config \S*configs/eval/" + tail,
                             train.evaluate_command(w, data)), data
+    # A run with its own zero-shot folder (configs/own_data.py:zeroshot=DIR) is evaluated on it.
+    config, _ = train.parse_command_line(["prolip_jax.train", "--config", f"{ROOT}/configs/own_data.py:zeroshot=/d/digits",
+                                          "--workdir", "/u", "--config.evals.zeroshot.split=test"])
+    assert train.evaluate_command(w, {"source": "tar"}, config.evals).endswith(
+        "imagefolder.py --out /runs/x/eval --config.root=/d/digits --config.split=test")
 
 
 def test_every_evaluator_declares_its_headline():
