@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from prolip_jax import messages
+from prolip_jax import messages, schema
 
 
 def parse(arg: str | None, **defaults: str) -> dict[str, str]:
@@ -39,9 +39,10 @@ def load_config_file(spec: str) -> Any:
 
 
 def check_overrides(config: Any, argv: list[str], prefix: str = "--config.") -> None:
-    """Every `--config.a.b=v` names a field of `config` (else a ValueError naming the nearest)."""
-    import difflib
-
+    """Every `--config.a.b=v` names a field of `config`, else a one-line ValueError naming the
+    field it most likely means: a synonym in the same section (`optim.learning_rate` ->
+    `optim.lr`), a field of that name in another section (`optim.total_steps` -> `total_steps`),
+    or the closest spelling in the same section (schema.nearest_field)."""
     for item in argv:
         if not item.startswith(prefix):
             continue
@@ -50,9 +51,24 @@ def check_overrides(config: Any, argv: list[str], prefix: str = "--config.") -> 
         for key in dotted.split("."):
             fields = list(node.keys()) if hasattr(node, "keys") else []
             if key not in fields:
-                near = difflib.get_close_matches(key, fields, n=1)
-                hint = f"did you mean {where}.{near[0]}? " if near else ""
+                near = schema.nearest_field(key, fields, spelling=False)
+                near = ([f"{where}.{near}"] if near else _fields_named(config, key)
+                        or [f"{where}.{n}" for n in filter(None, [schema.nearest_field(key, fields)])])
                 what = f"{where} has no field {key!r}" if fields else f"{where} is not a section"
-                raise ValueError(f"{item.partition('=')[0]}: {what}; {hint}"
+                if near:
+                    raise ValueError(f"{item.partition('=')[0]}: {what}; did you mean {' or '.join(near[:2])}?")
+                raise ValueError(f"{item.partition('=')[0]}: {what}; "
                                  f"the fields of {where}: {messages.few(sorted(fields), 8) or 'none'}")
             node, where = node[key], f"{where}.{key}"
+
+
+def _fields_named(config: Any, key: str) -> list[str]:
+    """Dotted paths of the fields of `config` called `key` or a synonym of it, at any depth:
+    the shallowest first, then those called `key`."""
+    names = schema.synonyms(key)
+
+    def walk(node: Any, where: str) -> list[str]:
+        if not hasattr(node, "keys"):
+            return []
+        return [p for k in node.keys() for p in ([f"{where}.{k}"] if k in names else []) + walk(node[k], f"{where}.{k}")]
+    return sorted(walk(config, "config"), key=lambda path: (path.count("."), not path.endswith("." + key)))

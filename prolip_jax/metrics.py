@@ -7,11 +7,14 @@
   is kept, so a NaN loss is visible and every line has the same keys.
 * writes each value as a TensorBoard scalar into `WORKDIR/tb/` through tensorboardX (no
   TensorFlow needed); non-finite values go to TensorBoard unchanged (it plots them as gaps).
-* prints `[  1200/78800   1.5%] ETA 3h12m | loss 1.234 | lr 5e-04 ...` to stdout (the names in
-  `console` when given: the trainer shows each evaluator's headline metrics only), the ETA
-  from the wall time per step over the last `eta_window` writes (the interval before the
-  first write, which holds compilation, is never part of it). Per-reason skip counters
-  ("data/skipped/<reason>") are left off the line while they are 0: they stay in the files.
+* prints `[  1200/78800   1.5%] ETA 3h12m | loss 5.853 (ppcl 5.84, ...) | lr 5e-4` to stdout:
+  the names in `console` (a line each: the trainer's headline training metrics, then each
+  evaluator's headline), or every value when it is None. Names that share a parent are written
+  once (`loss 5.853 (ppcl 5.84, vib 4e-4)`, `zeroshot/object top1_csd 12.5, top1_dot 11`), a
+  line is cut to `line_width` columns, and it says how many values only the files hold when
+  that fits. The ETA comes from the wall time per step over the last `eta_window` writes (the
+  interval before the first write, which holds compilation, is never part of it). Per-reason
+  skip counters ("data/skipped/<reason>") are left off while they are 0: they stay in the files.
 
 Resume: `resume_step=N` drops the lines of an earlier run with step >= N (the file is
 rewritten atomically, so a crash cannot lose the good lines) and asks TensorBoard to purge
@@ -33,7 +36,7 @@ import os
 import struct
 import sys
 import time
-from typing import Any, Callable, Collection, Mapping, TextIO
+from typing import Any, Callable, Mapping, Sequence, TextIO
 
 import numpy as np
 
@@ -75,6 +78,43 @@ def format_duration(seconds: float) -> str:
     return f"{s}s"
 
 
+def format_value(v: int | float) -> str:
+    """A console value in a few characters: integers as they are, 4 significant digits, no
+    fraction from 1,000 on, short exponents ('5e-4')."""
+    if isinstance(v, int) or not math.isfinite(v):
+        return str(v)
+    if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e6):
+        mantissa, _, exponent = f"{v:.2e}".partition("e")
+        return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+    return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+
+
+def _fields(names: Sequence[str], values: Mapping[str, int | float]) -> list[str]:
+    """`name value` per name; a run of names under one parent is written once: a parent shown
+    just before its children gives `loss 5.853 (ppcl 5.84, vib 4e-4)`, children alone
+    `zeroshot/object top1_csd 12.5, top1_dot 11`."""
+    groups: list[tuple[str, str | None, list[str]]] = []  # (parent, its value or None, children)
+    for name in names:
+        parent, _, leaf = name.rpartition("/")
+        if groups and parent and groups[-1][0] == parent:
+            groups[-1][2].append(f"{leaf} {format_value(values[name])}")
+        elif any(n.startswith(name + "/") for n in names):
+            groups.append((name, format_value(values[name]), []))
+        elif parent:
+            groups.append((parent, None, [f"{leaf} {format_value(values[name])}"]))
+        else:
+            groups.append((name, format_value(values[name]), []))
+    out = []
+    for parent, value, children in groups:
+        if value is not None:
+            out.append(f"{parent} {value}" + (f" ({', '.join(children)})" if children else ""))
+        elif len(children) == 1:
+            out.append(f"{parent}/{children[0]}")
+        else:
+            out.append(f"{parent} {', '.join(children)}")
+    return out
+
+
 def _is_remote(path: str) -> bool:
     return paths.is_url(path)
 
@@ -111,11 +151,13 @@ class MetricWriter:
 
     def __init__(self, workdir: str, total_steps: int, is_chief: bool = True, resume_step: int = 0,
                  eta_window: int = 20, stream: TextIO | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, line_width: int = 160):
         """workdir: local path or fsspec URL; total_steps: for progress and ETA; resume_step: the
         first step this run logs (earlier lines with step >= resume_step are dropped); stream:
-        where the progress line goes (default sys.stdout); clock: seconds, injectable for tests."""
+        where the progress line goes (default sys.stdout); clock: seconds, injectable for tests;
+        line_width: the longest console line (a terminal's width, so that lines never wrap)."""
         self.total_steps = int(total_steps)
+        self.line_width = line_width
         self.is_chief = is_chief
         self._stream = stream
         self._clock = clock
@@ -172,9 +214,9 @@ class MetricWriter:
         paths.write_text_atomic(self.path, "".join(self._remote_lines))
 
     # ---------------------------------------------------------------------------------- writing
-    def write(self, step: int, metrics: Mapping[str, Any], console: Collection[str] | None = None) -> None:
-        """Log `metrics` (name -> scalar) for `step` to the files; the stdout line shows those
-        named in `console` (default: all) and how many more the files hold."""
+    def write(self, step: int, metrics: Mapping[str, Any], console: Sequence[Sequence[str]] | None = None) -> None:
+        """Log `metrics` (name -> scalar) for `step` to the files; stdout gets a line per list of
+        names in `console` (default: one line of all of them) and how many more the files hold."""
         if not self.is_chief:
             return
         if self._tb is None:
@@ -198,12 +240,10 @@ class MetricWriter:
         self._tb.flush()
 
         self._times.append((step, self._clock()))
-        keep = values.keys() if console is None else set(console)
-        shown = {k: v for k, v in values.items() if k in keep}
-        line = self.progress_line(step, shown)
-        if len(shown) < len(values):
-            line += f" | +{len(values) - len(shown)} more in {JSONL_NAME}"
-        print(line, file=self._stream or sys.stdout, flush=True)
+        groups = [list(values)] if console is None else [[k for k in line if k in values] for line in console]
+        groups = [[k for k in line if not ("/skipped/" in k and values[k] == 0)] for line in groups]
+        lines = self.progress_lines(step, [line for line in groups if line] or [[]], values)
+        print("\n".join(lines), file=self._stream or sys.stdout, flush=True)
 
     def seconds_per_step(self) -> float | None:
         """Wall seconds per step over the last `eta_window` writes; None before two writes."""
@@ -212,15 +252,26 @@ class MetricWriter:
         (s0, t0), (s1, t1) = self._times[0], self._times[-1]
         return (t1 - t0) / (s1 - s0) if s1 > s0 else None
 
-    def progress_line(self, step: int, values: Mapping[str, int | float]) -> str:
+    def progress_lines(self, step: int, lines: Sequence[Sequence[str]],
+                       values: Mapping[str, int | float]) -> list[str]:
+        """One text line per list of names in `lines`, each at most `line_width` characters
+        (names that do not fit are left off), the last saying how many values are not shown."""
         total = max(self.total_steps, 1)
         width = len(str(self.total_steps))
         sps = self.seconds_per_step()
         eta = "?" if sps is None else format_duration(sps * max(self.total_steps - step, 0))
-        parts = [f"[{step:>{width}d}/{self.total_steps} {100.0 * step / total:5.1f}%] ETA {eta}"]
-        parts += [f"{k} {v}" if isinstance(v, int) else f"{k} {v:.4g}" for k, v in values.items()
-                  if not ("/skipped/" in k and v == 0)]
-        return " | ".join(parts)
+        tag = f"[{step:>{width}d}/{self.total_steps} {100.0 * step / total:5.1f}%]"
+        out, shown = [], 0
+        for i, names in enumerate(lines):
+            head, names = f"{tag} ETA {eta}" if i == 0 else tag, list(names)
+            while names and len(" | ".join([head, *_fields(names, values)])) > self.line_width:
+                names.pop()
+            out.append(" | ".join([head, *_fields(names, values)]))
+            shown += len(names)
+        more = f" | +{len(values) - shown} more in {JSONL_NAME}"
+        if shown < len(values) and len(out[-1]) + len(more) <= self.line_width:
+            out[-1] += more
+        return out
 
     def close(self) -> None:
         if self._file is not None:

@@ -63,12 +63,37 @@ def defaults(cls: type) -> dict[str, Any]:
     return out
 
 
+# Names of one knob as other trainers spell it, tried before spelling closeness (difflib), so
+# that `learning_rate` finds `lr`, which it does not resemble.
+SYNONYMS = (("lr", "learning_rate", "base_lr"), ("weight_decay", "wd"),
+            ("warmup_steps", "warmup", "num_warmup_steps"),
+            ("total_steps", "steps", "num_steps", "max_steps", "train_steps"),
+            ("batch_size", "batch", "bs", "global_batch_size"), ("num_epochs", "epochs"),
+            ("num_workers", "workers"))
+
+
+def synonyms(name: str) -> tuple[str, ...]:
+    """`name` and the names of the same knob in SYNONYMS."""
+    return next((g for g in SYNONYMS if name.lower() in g), (name,))
+
+
+def nearest_field(name: str, known: Any, spelling: bool = True) -> str | None:
+    """The known field that `name` most likely means: a synonym, else (with `spelling`) the
+    closest spelling."""
+    known = list(known)
+    same = [k for k in synonyms(name) if k in known and k != name]
+    if same or not spelling:
+        return same[0] if same else None
+    close = difflib.get_close_matches(name, known, n=1) or difflib.get_close_matches(name.lower(), known, n=1)
+    return close[0] if close else None
+
+
 def check_keys(given: Any, known: Any, where: str) -> None:
     """ValueError naming an unknown key (with the closest known one) in `where`."""
     unknown = sorted(set(given) - set(known))
     if unknown:
-        close = difflib.get_close_matches(unknown[0], list(known), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        close = nearest_field(unknown[0], known)
+        hint = f" (did you mean {close!r}?)" if close else ""
         raise ValueError(f"unknown field(s) {unknown} in {where}{hint}; the fields of {where} are: "
                          f"{messages.few(sorted(known), 8)}")
 

@@ -300,10 +300,32 @@ def headline(evaluator: Any, values: dict[str, Any]) -> list[str]:
     return [k for k in values if any(re.search(p, k) for p in patterns)]
 
 
-def evaluate_command(workdir: Path, data: dict[str, Any]) -> str:
+# The console line's training metrics (all of them go to metrics.jsonl and TensorBoard): the loss
+# and its largest terms, throughput and learning rate, and the problem counters once nonzero.
+CONSOLE_LOSS_TERMS = 3
+CONSOLE_TRAINING = ("loss", "samples_per_s", "lr")
+CONSOLE_IF_NONZERO = ("nonfinite", "skipped_updates", "data/skipped")
+
+
+def console_lines(values: dict[str, Any], evaluator_headlines: list[str]) -> list[list[str]]:
+    """The names of `values` the console shows: a line of training metrics, then one of the
+    evaluators' headlines (see `headline`); MetricWriter cuts each line to the terminal's width."""
+    if "loss" not in values:
+        return [evaluator_headlines]
+    def size(k: str) -> float:  # the largest first, a non-finite one before them
+        return -abs(values[k]) if np.isfinite(values[k]) else -np.inf
+
+    terms = sorted((k for k in values if k.startswith("loss/")), key=size)[:CONSOLE_LOSS_TERMS]
+    training = ["loss", *terms, *(k for k in CONSOLE_TRAINING[1:] if k in values),
+                *(k for k in CONSOLE_IF_NONZERO if values.get(k))]
+    return [training, evaluator_headlines]
+
+
+def evaluate_command(workdir: Path, data: dict[str, Any], evals: dict[str, Any] | None = None) -> str:
     """The command that evaluates the checkpoint of `workdir` (scripts/evaluate.py) with the eval
     config that fits the run's data (configs/eval/): the demo's, the caption benchmark's with the
-    run's own paths, or zero-shot on an ImageFolder the user names."""
+    run's own paths, or zero-shot on an ImageFolder: the run's own zero-shot folder when `evals`
+    (config.evals) has one, else one the user names."""
     def here(path: Path) -> str:  # relative to the working directory when inside it
         return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
@@ -314,6 +336,10 @@ def evaluate_command(workdir: Path, data: dict[str, Any]) -> str:
         "coco_karpathy": ("coco.py", f" --config.karpathy_json={data.get('caption_file')} "
                                      f"--config.image_root={data.get('image_root')}"),
     }.get(source, ("imagefolder.py", " --config.root=YOUR_IMAGEFOLDER"))
+    folders = [e for e in (evals or {}).values() if e.get("type") == "zeroshot" and e.get("root")]
+    if config == "imagefolder.py" and folders:
+        split = folders[0].get("split", "val")
+        flags = f" --config.root={folders[0]['root']}" + (f" --config.split={split}" if split != "val" else "")
     root = Path(__file__).resolve().parents[1]
     return (f"python {here(root / 'scripts' / 'evaluate.py')} --checkpoint {workdir} "
             f"--config {here(root / 'configs' / 'eval' / config)} --out {workdir / 'eval'}{flags}")
@@ -704,7 +730,7 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
                 shown += headline(evaluator, evaluated_values)
             logged.update(values)
             with outside_the_model("the metrics writer"):
-                writer.write(0, values, console=shown)
+                writer.write(0, values, console=console_lines(values, shown))
             t_log = time.time()  # the evaluation is not training step time
         while step < run.total_steps:
             with outside_the_model("the data pipeline"):
@@ -763,14 +789,14 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
                     values["mfu"] = mfu
             else:
                 values = {}
-            hidden: set[str] = set()  # evaluator metrics left off the console line
+            shown: list[str] = []  # the evaluators' headline metrics
             for settings, evaluator in evaluators:
                 if step % settings["log_steps"] == 0 or step == run.total_steps:
                     t_eval = time.time()
                     with outside_the_model(f"evaluator {settings['name']!r}"):
                         evaluated_values = {settings["prefix"] + k: v for k, v in evaluator.run(state.params)}
                     values.update(evaluated_values)
-                    hidden.update(set(evaluated_values) - set(headline(evaluator, evaluated_values)))
+                    shown += headline(evaluator, evaluated_values)
                     t_log += time.time() - t_eval  # evaluation time is not training step time
                     evaluated.add(settings["name"])
             logged.update(values)
@@ -786,7 +812,7 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
                                  f"--config.keep_best.metric); {hint}")
             if values:
                 with outside_the_model("the metrics writer"):
-                    writer.write(step, values, console=[k for k in values if k not in hidden])
+                    writer.write(step, values, console=console_lines(values, shown))
                 last_metrics = values
             if step % run.checkpoint_steps == 0 and step < run.total_steps:
                 save(step)
@@ -808,7 +834,7 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
             save_swa(workdir / "swa", state, step, mcfg, getattr(data, "tokenizer_file", None), is_chief)
         if is_chief:
             print(f"done: the checkpoint of step {step} is {ckpt_dir / str(step)}; evaluate it with\n  "
-                  + evaluate_command(workdir, tc.data), flush=True)
+                  + evaluate_command(workdir, tc.data, run.evals), flush=True)
         return last_metrics
     finally:
         profiler.stop()

@@ -3,16 +3,21 @@ both started without importing jax.
 
 `python -m prolip_jax.train --help` runs `exit_if_help` before the trainer imports jax and the
 project (seconds), so help is instant. With `--config FILE[:ARGS]` it also prints that config
-file's docstring and its args, read with `ast` (the file is not run). `exit_if_supervisor` turns
-the process of a multi-process launch into its trainer's supervisor (prolip_jax/supervise.py)
-from the same point. The standard library and prolip_jax.supervise only.
+file's docstring and its args, read with `ast`, and every field `--config.FIELD=VALUE` can set:
+those the file sets (its get_config run, which needs ml_collections only) and those declared
+beside the code that uses them, read with `ast` from the declaring dataclasses. `exit_if_supervisor`
+turns the process of a multi-process launch into its trainer's supervisor (prolip_jax/supervise.py)
+from the same point. The standard library and prolip_jax.supervise only; a config's fields add
+prolip_jax.config_args and what the config file imports (ml_collections), never jax.
 """
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 from prolip_jax import supervise
 
@@ -66,7 +71,7 @@ def _config_args(tree: ast.Module) -> str:
 
 
 def config_help(spec: str) -> str:
-    """A config file's docstring and its args, read without running the file."""
+    """A config file's docstring, its args (read without running the file) and its fields."""
     path = Path(spec.partition(":")[0])
     if not path.is_file():
         return f"config file {path} does not exist"
@@ -75,7 +80,120 @@ def config_help(spec: str) -> str:
     args = _config_args(tree)
     head = f"--config {path}" + (f"[:ARGS]; ARGS (key=value,...) and their defaults: {args}" if args
                                  else " (takes no args)")
-    return f"{head}\n\n{doc}"
+    return f"{head}\n\n{doc}\n\n{_fields_help(spec)}"
+
+
+# ------------------------------------------------------------------------- the config's fields
+# The declared ones are read from the dataclasses that declare them (prolip_jax/train.py RunConfig
+# and SECTIONS, input_pipeline DataConfig, the objective's Config) with `ast`: their modules import jax.
+_TRAINER = ROOT / "prolip_jax" / "train.py"
+_NOT_IN_DATA = ("batch_size",)  # the top-level batch_size rules (train.with_defaults drops data's)
+
+
+def _module_file(module: str) -> Path | None:
+    base = ROOT.joinpath(*module.split("."))
+    return next((f for f in (base.with_suffix(".py"), base / "__init__.py") if f.is_file()), None)
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(file: Path) -> ast.Module:
+    return ast.parse(file.read_text(), filename=str(file))
+
+
+def _imports(file: Path) -> dict[str, tuple[str, str | None]]:
+    """The file's imported names: alias -> (module, None) for a module, (module, name) for a name."""
+    out: dict[str, tuple[str, str | None]] = {}
+    for node in _parsed(file).body:
+        if isinstance(node, ast.Import):
+            out.update({a.asname or a.name: (a.name, None) for a in node.names if a.asname})
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                out[a.asname or a.name] = (sub, None) if _module_file(sub) else (node.module, a.name)
+    return out
+
+
+def _class(file: Path, expr: ast.expr) -> tuple[Path, ast.ClassDef] | None:
+    """The class that `expr` (a name or module.name in `file`) denotes, or None."""
+    if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name):  # module.Class
+        module, name = _imports(file).get(expr.value.id, ("", ""))
+        target = _module_file(module) if module and name is None else None
+        return _class(target, ast.Name(expr.attr)) if target else None
+    if not isinstance(expr, ast.Name):
+        return None
+    for node in _parsed(file).body:
+        if isinstance(node, ast.ClassDef) and node.name == expr.id:
+            return file, node
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)  # X = SimpleNamespace(Config=C)
+                and any(isinstance(t, ast.Name) and t.id == expr.id for t in node.targets)):
+            config = next((k.value for k in node.value.keywords if k.arg == "Config"), None)
+            return _class(file, config) if config is not None else None
+    module, name = _imports(file).get(expr.id, ("", None))
+    target = _module_file(module) if name else None
+    return _class(target, ast.Name(name)) if target else None
+
+
+def _fields(file: Path, expr: ast.expr) -> list[str] | None:
+    """The dataclass fields of the class `expr` in `file`, its bases' first; None if unresolved."""
+    found = _class(file, expr)
+    if found is None:
+        return None
+    where, node = found
+    out = [f for base in node.bases for f in (_fields(where, base) or [])]
+    for item in node.body:
+        if (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+                and "ClassVar" not in ast.unparse(item.annotation) and item.target.id not in out):
+            out.append(item.target.id)
+    return out
+
+
+def _assigned(file: Path, name: str) -> ast.expr | None:
+    for node in _parsed(file).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return node.value
+    return None
+
+
+def config_fields(spec: str) -> list[tuple[str, list[str]]]:
+    """(section, its fields) of the trainer config `spec` (FILE[:ARGS]): the top level first, then
+    each section and evaluator. The fields the file sets (its get_config is run: configs import
+    ml_collections, not jax) and the declared ones it leaves at their defaults."""
+    from prolip_jax import config_args
+
+    def union(declared: list[str] | None, given: Any) -> list[str]:
+        declared = declared or []
+        return [*declared, *(k for k in (given.keys() if hasattr(given, "keys") else given or ()) if k not in declared)]
+
+    config = config_args.load_config_file(spec)
+    top = [k for k in config if not hasattr(config[k], "keys")]
+    out = [("top level", [k for k in union(_fields(_TRAINER, ast.Name("RunConfig")), top) if k != "evals"])]
+    sections = _assigned(_TRAINER, "SECTIONS")
+    for key, value in zip(sections.keys, sections.values):
+        out.append((f"{key.value}.", union(_fields(_TRAINER, value), config.get(key.value))))
+    objective = config.loss.get("objective", "prolip") if "loss" in config else "prolip"
+    registry = ast.literal_eval(_assigned(_module_file("prolip_jax.objectives"), "REGISTRY"))
+    module, _, attr = registry.get(objective, "").partition(":")
+    declared = _fields(_module_file(module), ast.Name(attr or "Config")) if _module_file(module) else None
+    out.append((f"loss. ({objective})", union(["objective", *(declared or [])], config.get("loss"))))
+    declared = [f for f in _fields(_TRAINER, ast.Name("DataConfig")) or [] if f not in _NOT_IN_DATA]
+    out.append(("data.", union(declared, config.get("data"))))
+    eval_keys = ast.literal_eval(_assigned(_TRAINER, "EVAL_KEYS"))
+    out += [(f"evals.{name}.", union(list(eval_keys), section)) for name, section in config.get("evals", {}).items()]
+    out.append(("evals.NAME.", [f"{', '.join(eval_keys)} and the fields of that evaluator type's Config (evaluators/)"]))
+    return out
+
+
+def _fields_help(spec: str) -> str:
+    try:
+        rows = config_fields(spec)
+    except Exception as e:  # noqa: BLE001 - help still prints; the run would report the same error
+        return f"fields: not listed, the config file failed: {' '.join(str(e).split())}"
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(["fields (--config.FIELD=VALUE):", *(
+        textwrap.fill(", ".join(fields), 100, initial_indent=f"  {name:<{width}}  ",
+                      subsequent_indent=" " * (width + 4)) for name, fields in rows)])
 
 
 def _configs_list() -> str:
@@ -92,7 +210,8 @@ def help_text(argv: list[str], doc: str) -> str:
     """The trainer's help: `doc`, the flags, and the config's docstring (or the list of configs)."""
     rows = [("--config FILE[:ARGS]", "the experiment: a configs/*.py file, ARGS its args (key=value,...)"),
             ("--config.FIELD=VALUE", ("overrides any field of the config, e.g. --config.optim.lr=1e-4; "
-                                      f"sections: {', '.join(SECTIONS)}")),
+                                      f"sections: {', '.join(SECTIONS)} (--config FILE --help lists "
+                                      "every field)")),
             *((f"--{name} {ph}", text) for name, _, ph, text in FLAGS)]
     width = max(len(r[0]) for r in rows)
     flags = [textwrap.fill(text, 100, initial_indent=f"  {flag:<{width}}  ", subsequent_indent=" " * (width + 4))

@@ -116,7 +116,8 @@ def run_evaluator(evaluator: Any, params: Any, name: str) -> tuple[dict[str, Any
     """-> (metrics, the evaluator's per-item arrays or None), with a per-item progress bar."""
     from tqdm import tqdm
 
-    with tqdm(desc=f"  {name}", unit="item", leave=False, file=sys.stderr) as bar:
+    # disable=None: no bar when stderr is not a terminal (a log would get its escape codes)
+    with tqdm(desc=f"  {name}", unit="item", leave=False, file=sys.stderr, disable=None) as bar:
         metrics = dict(evaluator.run(params, progress=bar.update))
     return metrics, getattr(evaluator, "arrays", None)
 
@@ -389,7 +390,11 @@ def evaluate(checkpoint: str, config: Any, out: Path, step: int | None = None,
     per_eval: dict[str, dict] = {}
     suites: dict[str, Any] = {}   # evaluators with a task table (`rows`)
     encoder = None
-    for name, (cls, settings) in tqdm(modules.items(), desc="evaluators", file=sys.stderr):
+    bars = sys.stderr.isatty()  # tqdm's disable=None: bars on a terminal only, else a line per evaluator
+    for i, (name, (cls, settings)) in enumerate(tqdm(modules.items(), desc="evaluators", file=sys.stderr,
+                                                     disable=None)):
+        if not bars:
+            print(f"evaluating {name} ({i + 1}/{len(modules)})", file=sys.stderr, flush=True)
         ecfg = {k: v for k, v in evals[name].items() if k not in EVAL_KEYS}
         start = time.perf_counter()
         # The tokenizer recorded with the model, unless the eval config names one.

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from prolip_jax.metrics import MetricWriter, format_duration, read_jsonl, read_tensorboard_scalars
+from prolip_jax.metrics import MetricWriter, format_duration, format_value, read_jsonl, read_tensorboard_scalars
 
 
 def _strict_json(line: str) -> dict:
@@ -116,8 +116,39 @@ def test_stdout_progress_and_eta(tmp_path):
     assert lines[0] == "[ 100/1000  10.0%] ETA ? | loss 1.235"
     assert "ETA 1m20s" in lines[1]  # 800 steps left at 0.1 s/step
     # Zero per-reason skip counters are left off the line (not out of the files).
-    assert lines[2] == "[ 300/1000  30.0%] ETA 1m10s | loss 0.5 | skipped 2 | data/skipped/empty_caption 3"
+    assert lines[2] == ("[ 300/1000  30.0%] ETA 1m10s | loss 0.5 | skipped 2 | data/skipped/empty_caption 3 | "
+                        "+1 more in metrics.jsonl")
     assert "corrupt_image" in (tmp_path / "metrics.jsonl").read_text().splitlines()[-1]
+
+
+def test_console_lines_are_compact_and_fit_the_width(tmp_path):
+    """A line per list of names in `console`: names under one parent written once, values in a
+    few characters, each line cut to line_width, and '+N more' only where it fits."""
+    values = {"loss": 5.8534, "loss/ppcl": 5.84, "loss/vib": 4.1e-4, "samples_per_s": 2392.6, "lr": 5e-4,
+              "grad_norm": 1.0, "zeroshot/digits/top1_csd": 12.5, "zeroshot/digits/top1_dot": 11.0,
+              "retrieval/tar/csd/i2t_R@1": 20.0}
+    evals = ["zeroshot/digits/top1_csd", "zeroshot/digits/top1_dot", "retrieval/tar/csd/i2t_R@1"]
+    out = io.StringIO()
+    with MetricWriter(str(tmp_path), total_steps=5000, stream=out, clock=FakeClock([0.0])) as w:
+        w.write(1200, values, console=[["loss", "loss/ppcl", "loss/vib", "samples_per_s", "lr"], evals])
+    assert out.getvalue().splitlines() == [
+        "[1200/5000  24.0%] ETA ? | loss 5.853 (ppcl 5.84, vib 4.1e-4) | samples_per_s 2393 | lr 5e-4",
+        "[1200/5000  24.0%] | zeroshot/digits top1_csd 12.5, top1_dot 11 | retrieval/tar/csd/i2t_R@1 20 | "
+        "+1 more in metrics.jsonl"]
+    out = io.StringIO()
+    with MetricWriter(str(tmp_path), total_steps=5000, stream=out, line_width=60, clock=FakeClock([0.0])) as w:
+        w.write(1200, values, console=[["loss", "loss/ppcl", "loss/vib", "samples_per_s", "lr"], evals])
+    lines = out.getvalue().splitlines()
+    assert max(map(len, lines)) <= 60 and lines[0].startswith("[1200/5000  24.0%] ETA ? | loss 5.853 (ppcl"), lines
+    assert lines[1] == "[1200/5000  24.0%] | zeroshot/digits/top1_csd 12.5", lines
+
+
+@pytest.mark.parametrize("value,text", [(1, "1"), (0, "0"), (0.0, "0"), (5.8534, "5.853"), (0.02235, "0.02235"),
+                                        (1e-4, "1e-4"), (0.00010000000474974513, "1e-4"), (2.2345e-5, "2.23e-5"),
+                                        (0.00099996, "1e-3"), (2392.6, "2393"), (1.5e7, "1.5e7"), (-0.5, "-0.5"),
+                                        (float("nan"), "nan")])
+def test_format_value(value, text):
+    assert format_value(value) == text
 
 
 def test_eta_uses_moving_window(tmp_path):

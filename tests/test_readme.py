@@ -2,8 +2,9 @@
 
 Checked here: its length and table of contents; every relative link of the README and docs/
 resolves; no commit hashes or internal file numbers; every command's script, config file, flag,
-`--config.<knob>` override and make target exists; and the commands that fit CI run with small
-stand-ins (the Python API example against a tiny checkpoint; the scripts' `--help`).
+`--config.<knob>` override and make target exists, in the README and in docs/; and the commands
+that fit CI run with small stand-ins (the Python API example against a tiny checkpoint; the
+scripts' `--help`; docs/data.md's own-data recipe in tests/test_docs_commands.py).
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
+
+from prolip_jax import config_args
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -127,10 +130,22 @@ def _has_knob(config, dotted: str) -> bool:
     return True
 
 
-def test_every_command_names_things_that_exist():
+def _declared_knob(spec: str, dotted: str) -> bool:
+    """A field the trainer's help lists for `spec`: set by the file or declared with a default."""
+    from prolip_jax import train_flags
+
+    listed = {name.split(" ")[0]: fields for name, fields in train_flags.config_fields(f"{ROOT}/{spec}")}
+    parts = dotted.split(".")
+    return (parts[0] in listed["top"] or len(parts) > 1 and parts[1] in listed.get(parts[0] + ".", ())
+            or len(parts) > 2 and parts[2] in listed.get(f"{parts[0]}.{parts[1]}.", ()))
+
+
+@pytest.mark.parametrize("doc", [README, *DOCS], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_command_names_things_that_exist(doc):
+    """The README's and docs/'s commands: scripts, flags, configs, `--config.<knob>`s, make targets."""
     makefile = (ROOT / "Makefile").read_text()
     checked = 0
-    for cmd in commands(TEXT):
+    for cmd in commands(doc.read_text()):
         argv = shlex.split(cmd.split("|")[0])
         env_free = [a for a in argv if not re.match(r"^[A-Z_]+=", a)]
         if not env_free:
@@ -152,25 +167,30 @@ def test_every_command_names_things_that_exist():
                     cfg = train_config(config)
                     for flag in flags:
                         if flag.startswith("--config."):
-                            assert _has_knob(cfg, flag[len("--config."):]), f"{flag} is no knob of {config}: {cmd}"
+                            knob = flag[len("--config."):]
+                            assert _has_knob(cfg, knob) or _declared_knob(config, knob), \
+                                f"{flag} is no knob of {config}: {cmd}"
             else:
                 script = env_free[1]
                 if script.startswith("-c"):
                     continue
-                assert (ROOT / script).exists(), f"README runs {script}, which does not exist"
+                assert (ROOT / script).exists(), f"{doc.name} runs {script}, which does not exist"
                 if script.endswith(".py"):
                     text = script_help(script)
+                    config = env_free[env_free.index("--config") + 1] if "--config" in env_free else ""
                     for a in env_free[2:]:
-                        if a.startswith("--"):
+                        if a.startswith("--config.") and config.startswith("configs/"):
+                            config_args.check_overrides(config_args.load_config_file(f"{ROOT}/{config}"), [a])
+                        elif a.startswith("--"):
                             assert a.split("=", 1)[0] in text, f"{script} has no flag {a}: {cmd}"
                         elif a.startswith("configs/"):
                             _config_args_ok(a)
             checked += 1
         elif head.startswith(("scripts/", "benchmarks/", "bash", "sbatch")):
             script = env_free[1] if head in ("bash", "sbatch") else head
-            assert (ROOT / script.split()[0]).exists(), f"README runs {script}"
+            assert (ROOT / script.split()[0]).exists(), f"{doc.name} runs {script}"
             checked += 1
-    assert checked >= 8, f"only {checked} commands checked: did the README lose its ```bash blocks?"
+    assert checked >= 8 or doc != README, f"only {checked} commands checked: did the README lose its ```bash blocks?"
 
 
 def _word_tokenizer_file(words: list[str]):

@@ -43,6 +43,25 @@ def test_help_is_fast_imports_no_jax_and_shows_the_config_args():
     assert "--config configs/tiny.py[:ARGS]; ARGS (key=value,...) and their defaults: steps=200, data=demo" \
         in out.stdout
     assert "data=random    random images/tokens" in out.stdout
+    # Every field --config.FIELD=VALUE can set, the top-level ones first.
+    top = re.search(r"^  top level +(.*?)\n  model\.", out.stdout, re.S | re.M)
+    assert top and {"total_steps", "batch_size", "log_steps", "seed"} <= set(re.split(r",\s+", top.group(1))), out.stdout
+    assert re.search(r"^  optim\. +lr, warmup_steps, ", out.stdout, re.M)
+
+
+@pytest.mark.parametrize("spec", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.py")))
+def test_help_lists_every_field_of_the_config(spec):
+    """The fields help lists (read without jax) are those `--config.FIELD=VALUE` accepts: the
+    config file's and the declared defaults, each section's and the objective's."""
+    config, _ = train.parse_command_line(["prolip_jax.train", "--config", f"{ROOT}/{spec}", "--workdir", "/u"])
+    listed = {name.split(" ")[0]: fields for name, fields in train_flags.config_fields(f"{ROOT}/{spec}")}
+    assert set(listed.pop("top")) == {k for k in config if not hasattr(config[k], "keys")}
+    for name, section in config.items():
+        if name == "evals":
+            assert {f"evals.{e}." for e in section} | {"evals.NAME."} == {k for k in listed if k.startswith("evals.")}
+            assert all(set(listed[f"evals.{e}."]) == set(section[e]) | {"type", "log_steps", "prefix"} for e in section)
+        elif hasattr(section, "keys"):
+            assert listed[name + "."] == list(section) or set(listed[name + "."]) == set(section), name
 
 
 def test_help_without_config_lists_the_configs(capsys):
@@ -83,20 +102,30 @@ def test_console_of_a_tiny_run(tmp_path, capsys):
     first_step = lines.index(next(line for line in lines if line.startswith("[1/2")))
     assert compiling < compiled < first_step and re.fullmatch(r"compiled in \d+\.\d s", lines[compiled])
 
-    eval_line = next(line for line in lines if line.startswith("[2/2"))
-    shown = {part.split(" ")[0] for part in eval_line.split(" | ")[1:]}
-    row = read_jsonl(str(workdir / "metrics.jsonl"))[-1]
-    evaluated = {k for k in row if k.startswith(("zeroshot/", "retrieval/"))}
+    # Progress: a line of headline training metrics fitting a terminal, and one of each
+    # evaluator's headline on the steps that evaluated; everything else only in the files.
+    progress = [line for line in lines if line.startswith("[")]
+    assert max(map(len, progress)) <= 160, max(progress, key=len)
+    assert re.fullmatch(r"\[1/2  50\.0%\] ETA \? \| loss [\d.]+ \((ppcl|img_inclusion|txt_inclusion|inclusion|vib) [\d.e-]+"
+                        r"(, \w+ [\d.e-]+){2}\) \| samples_per_s [\d.]+ \| lr [\de.-]+ \| \+\d+ more in metrics\.jsonl",
+                        progress[0]), progress[0]
+    train_line, eval_line = (line for line in progress if line.startswith("[2/2"))
+    assert " | loss " in train_line and "zeroshot" not in train_line
+    evaluated = {k for k in read_jsonl(str(workdir / "metrics.jsonl"))[-1] if k.startswith(("zeroshot/", "retrieval/"))}
+    # written once per parent: "zeroshot/object top1_dot 2.8, top1_csd 2.8"
+    shown = {k for k in evaluated if re.search(rf"{re.escape(k.rsplit('/', 1)[0])}( \S+ [\d.]+,)* "
+                                               rf"{re.escape(k.rsplit('/', 1)[1])} [\d.]+", eval_line)}
     assert {"zeroshot/object/top1_csd", "retrieval/demo/csd/i2t_R@1", "retrieval/demo/csd/t2i_R@1"} <= shown
-    assert len(shown & evaluated) <= 4 and len(evaluated) > 40  # a few on the console, all in the file
-    assert f"+{len(evaluated - shown)} more in metrics.jsonl" in eval_line and "unc_bin" not in eval_line
-    assert {"loss", "lr", "step_time_s"} <= shown  # the training metrics stay
+    assert len(shown) <= 4 and len(evaluated) > 40  # a few on the console, all in the file
+    assert re.search(r" \| \+\d+ more in metrics\.jsonl$", eval_line) and "unc_bin" not in eval_line
+    for dropped in ("nonfinite", "skipped_updates", "data/skipped", "samples_per_s_per_device", "step_time_s"):
+        assert f"{dropped} " not in "".join(progress), dropped  # zero counters, per-device rate: files only
 
     assert lines[-2] == f"done: the checkpoint of step 2 is {(workdir / 'checkpoints' / '2').absolute()}; evaluate it with"
     assert (workdir / "checkpoints" / "2").is_dir()
     assert re.fullmatch(rf"  python \S*scripts/evaluate\.py --checkpoint {re.escape(str(workdir))} --config "
                         rf"\S*configs/eval/demo\.py --out {re.escape(str(workdir / 'eval'))}", lines[-1]), lines[-1]
-    assert len(lines) <= 8, lines
+    assert len(lines) <= 9, lines
 
 
 def test_the_evaluate_command_fits_the_run_data():
@@ -107,6 +136,11 @@ def test_the_evaluate_command_fits_the_run_data():
                        ({"source": "tar"}, r"imagefolder\.py --out /runs/x/eval --config\.root=YOUR_IMAGEFOLDER")):
         assert re.fullmatch(r"python \S*scripts/evaluate\.py --checkpoint /runs/x --config \S*configs/eval/" + tail,
                             train.evaluate_command(w, data)), data
+    # A run with its own zero-shot folder (configs/own_data.py:zeroshot=DIR) is evaluated on it.
+    config, _ = train.parse_command_line(["prolip_jax.train", "--config", f"{ROOT}/configs/own_data.py:zeroshot=/d/digits",
+                                          "--workdir", "/u", "--config.evals.zeroshot.split=test"])
+    assert train.evaluate_command(w, {"source": "tar"}, config.evals).endswith(
+        "imagefolder.py --out /runs/x/eval --config.root=/d/digits --config.split=test")
 
 
 def test_every_evaluator_declares_its_headline():
