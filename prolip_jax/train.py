@@ -525,6 +525,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str,
     Library logging (orbax, grain, absl) goes to WORKDIR/train.log, not the console
     (prolip_jax/library_logs.py; process i > 0: train.process_<i>.log).
     """
+    paths.check_reachable(workdir, "--workdir", "--workdir")  # a bucket: one line on what is wrong with it
     check_workdir(workdir)
     with library_logs.to_file(paths.as_path(workdir) / library_logs.log_name(jax.process_index())):
         return _train(config, workdir, stop_at_step=stop_at_step)
@@ -690,7 +691,7 @@ def _train(config, workdir: str, *, stop_at_step: int | None = None) -> dict[str
         if isinstance(e, StopIteration):
             gist = (f"its data ended (data.num_epochs={tc.data.get('num_epochs')}): raise "
                     "--config.data.num_epochs or lower --config.total_steps")
-        elif isinstance(e, (NoRecordsError, DataStalled)):  # written for the user: shown whole
+        elif isinstance(e, (NoRecordsError, DataStalled, paths.BucketError)):  # written for the user: shown whole
             gist = " ".join(str(e).split())
         else:
             gist = f"{type(e).__name__}: {' '.join(str(e).split())}"[:200]
@@ -947,7 +948,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         train(config, fv.workdir, stop_at_step=fv.stop_at_step)
         code = 0
-    except (ValueError, FileNotFoundError, FloatingPointError, RunFault) as e:
+    except (ValueError, FileNotFoundError, FloatingPointError, RunFault, paths.BucketError) as e:
         fail(e)
     except KeyboardInterrupt:  # Ctrl-C: stop now; the checkpoints written so far stay
         print(f"interrupted (Ctrl-C): rerun the same command to resume from the newest checkpoint in "

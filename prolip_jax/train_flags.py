@@ -19,7 +19,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from prolip_jax import supervise
+from prolip_jax import config_args, supervise
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -160,8 +160,6 @@ def config_fields(spec: str) -> list[tuple[str, list[str]]]:
     """(section, its fields) of the trainer config `spec` (FILE[:ARGS]): the top level first, then
     each section and evaluator. The fields the file sets (its get_config is run: configs import
     ml_collections, not jax) and the declared ones it leaves at their defaults."""
-    from prolip_jax import config_args
-
     def union(declared: list[str] | None, given: Any) -> list[str]:
         declared = declared or []
         return [*declared, *(k for k in (given.keys() if hasattr(given, "keys") else given or ()) if k not in declared)]
