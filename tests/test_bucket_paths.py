@@ -461,3 +461,25 @@ def test_evaluate_on_an_unreachable_bucket_prints_one_line_within_15_s(tmp_path)
     assert run.stderr.count("\n") == 1, run.stderr
     assert run.stderr.startswith("error: gs://b/run: cannot reach the store (") and "check the network" in run.stderr
     assert elapsed < 15
+
+
+@pytest.mark.parametrize("kind", sorted(FAULTS))
+def test_training_on_a_faulty_bucket_is_one_line_before_anything_else(kind, faulty, capfd, tmp_path):
+    """The trainer's --workdir (or a data path) in a bucket that cannot be used: one line naming
+    the kind and the flag, exit 2, and nothing else on the console."""
+    from prolip_jax import train
+
+    make, _, words = FAULTS[kind]
+    faulty(lambda: make(True))
+    cli = ["train", "--config", str(Path(__file__).parents[1] / "configs" / "tiny.py") + ":data=random,steps=2,size=micro"]
+    for extra, flag in ((["--workdir", "gs://b/run"], "--workdir gs://b/run"),
+                        (["--workdir", str(tmp_path / "w"), "--config.data.source=tar",
+                          "--config.data.path=gs://b/shards/{0..1}.tar"], "data.path gs://b/shards")):
+        paths._probed.clear()
+        capfd.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            train.main(cli + extra)
+        out, err = capfd.readouterr()
+        assert exit_.value.code == 2
+        lines = [line for line in (out + err).splitlines() if line.strip() and not line.startswith("compile cache")]
+        assert len(lines) == 1 and lines[0].startswith("error: ") and flag in lines[0] and words in lines[0], lines
