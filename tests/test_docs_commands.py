@@ -1,6 +1,6 @@
 """docs/data.md's own-data recipe, run as written: its commands are extracted from the page (as
 tests/test_readme.py extracts the README's) and run in order (tar shards, tokenizer, train,
-both evaluations, export), with small stand-ins: /data/... and workdirs/... in a temporary folder,
+the ArrayRecord conversion, both evaluations, export), with small stand-ins: /data/... and workdirs/... in a temporary folder,
 generated PNG + caption files, and flags appended for a micro model and a 2-step run. One tiny
 workdir serves every check; the scripts run in this process (no interpreter or jax start-up each).
 """
@@ -32,6 +32,7 @@ TINY = {
     "prolip_jax.train": ["--config.model.variant=micro", "--config.data.image_size=16",
                          "--config.data.tokenizer.context_length=8", "--config.batch_size=16", "--config.masking.group=2",
                          "--config.data.shuffle_buffer_size=8", "--config.log_steps=1"],
+    "tar_to_array_record.py": ["--no-progress"],   # its tqdm bar would write escape codes to the captured stderr
     "evaluate.py": ["--no_plots", "--config.batch_size=8"],
     "convert_to_pytorch.py": [],
 }
@@ -80,7 +81,7 @@ def test_the_own_data_recipe_runs_as_written(tmp_path, monkeypatch, capsys):
     kinds = [shlex.split(c)[0] if c.startswith("tar ") else shlex.split(c)[1:3] for c in steps
              if not c.startswith("--")]   # a `--config.templates=...` line shows one flag, not a command
     assert kinds == ["tar", ["scripts/train_tokenizer.py", "--input"], ["-m", "prolip_jax.train"],
-                     ["scripts/evaluate.py", "--checkpoint"], ["scripts/evaluate.py", "--checkpoint"],
+                     ["scripts/tar_to_array_record.py", "--input"], ["scripts/evaluate.py", "--checkpoint"], ["scripts/evaluate.py", "--checkpoint"],
                      ["scripts/convert_to_pytorch.py", "--checkpoint"]], kinds
     for raw in ("/data/mine/raw/0000", "/data/digits", "workdirs/mine"):
         assert raw in OWN_DATA, f"docs/data.md no longer names {raw}: update this test's stand-ins"
@@ -108,6 +109,12 @@ def test_the_own_data_recipe_runs_as_written(tmp_path, monkeypatch, capsys):
     workdir = tmp_path / "workdirs" / "mine"
     closing = out.splitlines()[out.splitlines().index(next(l for l in out.splitlines() if l.startswith("done: "))) + 1]
     assert f"--config.root={tmp_path}/data/digits" in closing and "YOUR_IMAGEFOLDER" not in closing, closing
+    # The ArrayRecord conversion wrote every shard's records where the page's train flag reads them,
+    # and the page does not ask for data.source (auto reads the kind from the names).
+    assert re.search(rf"^{SHARDS} shards \(0 already done\), {SHARDS * 8} records written, 0 skipped$", out, re.M), out
+    ar_glob = re.search(r"--config\.data\.path='(/data/mine/ar/\*\.array_record)'", OWN_DATA)
+    assert ar_glob and len(list(Path(here(ar_glob.group(1))).parent.glob("*.array_record"))) == SHARDS
+    assert "data.source=array_record" not in OWN_DATA
     # Both evaluations wrote their results (each to its own --out), and the export its folder.
     outs = sorted(workdir.glob("*/results.json"))
     assert len(outs) == 2, outs
