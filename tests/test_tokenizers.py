@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from input_pipeline import tokenizers as T
+from prolip_jax import paths
 
 # ---------------------------------------------------------------------------------------------
 # Cleaning (reference: open_clip 2.24 / prolip tokenizer.py `canonicalize`, `lower`, `whitespace`).
@@ -357,7 +358,7 @@ def test_missing_file_errors(tmp_path, monkeypatch, kind, hints):
     # A bucket path is read through the path layer (tests/test_bucket_paths.py); without its
     # backend installed the error is one line naming the package.
     if importlib.util.find_spec("gcsfs") is None:
-        with pytest.raises(ImportError, match="pip install gcsfs"):
+        with pytest.raises(paths.BucketBackendMissing, match="pip install gcsfs"):
             T.build_tokenizer(kind, "gs://bucket/vocab.model", context_length=8)
 
 
