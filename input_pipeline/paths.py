@@ -72,6 +72,13 @@ def expand_braces(pattern: str) -> list[str]:
     return [head + rest for option in options for rest in expand_braces(option + tail)]
 
 
+def split_patterns(patterns: str | Sequence[str]) -> list[str]:
+    """data.path as a list of patterns: a string may hold several, separated by `::`."""
+    if isinstance(patterns, (str, os.PathLike)):
+        return [p for p in os.fspath(patterns).split("::") if p]
+    return list(patterns)
+
+
 def expand_paths(patterns: str | Sequence[str], check_exists: bool = True) -> list[str]:
     """Patterns (braces, then globs) -> ordered list of paths. A string may hold several,
     separated by `::` (the webdataset convention).
@@ -79,8 +86,7 @@ def expand_paths(patterns: str | Sequence[str], check_exists: bool = True) -> li
     Raises FileNotFoundError naming missing local files. Remote URLs are not stat'ed here (with
     thousands of shards that costs minutes); a missing remote shard fails when it is opened.
     """
-    if isinstance(patterns, (str, os.PathLike)):
-        patterns = [p for p in os.fspath(patterns).split("::") if p]
+    patterns = split_patterns(patterns)
     if not patterns:
         raise ValueError("No data path given: set the config's `path` to a file, a glob or a "
                          "brace pattern such as 'shards/{00000..00009}.tar'.")
@@ -118,8 +124,7 @@ def shard_kind(path: str) -> str | None:
 
 def source_of_paths(patterns: str | Sequence[str]) -> str:
     """The shard kind that every pattern of data.path names (for `data.source="auto"`)."""
-    if isinstance(patterns, (str, os.PathLike)):
-        patterns = [p for p in os.fspath(patterns).split("::") if p]
+    patterns = split_patterns(patterns)
     kinds = {shard_kind(p) for p in patterns}
     if len(kinds) != 1 or None in kinds:
         raise ValueError(f"data.source='auto' cannot tell the shard kind of data.path={'::'.join(patterns)!r} "

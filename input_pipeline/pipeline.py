@@ -435,16 +435,12 @@ def _random_access_source(cfg: DataConfig) -> tuple[Any, Callable[[Any], Any], l
         ds, split = _demo(cfg)
         files = [ds.split_path(split)]
     else:
-        patterns = _patterns(cfg.path)
+        patterns = paths_lib.split_patterns(cfg.path)
         paths_lib.check_shard_kind(patterns, cfg.source)  # before globbing a bucket
         sources.require_local_array_records(patterns)
         files = paths_lib.expand_paths(cfg.path)
         paths_lib.check_shard_kind(files, cfg.source)
     return sources.array_record_source(files), sources.ToRaw("array_record"), files
-
-
-def _patterns(path: str | Sequence[str]) -> list[str]:
-    return path.split("::") if isinstance(path, str) else list(path)
 
 
 class _KeepImageId:
@@ -502,7 +498,7 @@ def _build(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer | None, 
     num_epochs = cfg.num_epochs if train else 1
     workers = max(1, cfg.num_workers)
     if cfg.source == "tar":
-        paths_lib.check_shard_kind(_patterns(cfg.path), cfg.source)  # before globbing a bucket
+        paths_lib.check_shard_kind(paths_lib.split_patterns(cfg.path), cfg.source)  # before globbing a bucket
         files = paths_lib.expand_paths(cfg.path)
         paths_lib.check_shard_kind(files, cfg.source)
         if len(files) < p * workers:

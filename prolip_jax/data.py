@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from input_pipeline.config import DataConfig
+from input_pipeline.paths import split_patterns
 from input_pipeline.pipeline import build_train_iterator, resolve_tokenizer
 from input_pipeline.tokenizer_files import TokenizerFile
 from prolip_jax import paths
@@ -162,8 +163,7 @@ def build_train_data(tc: Any, model_config: Any, scfg: Any) -> Any:
     if d["source"] in ("tar", "array_record", "auto") and not d.get("path"):
         raise ValueError(f"data.source={d['source']!r} needs data.path (files, globs or a brace pattern such "
                          "as 'shards/{00000..00009}.tar')")
-    path = d.get("path") or ""
-    for pattern in path.split("::") if isinstance(path, str) else path:  # a bucket: one line on what is wrong
+    for pattern in split_patterns(d.get("path") or ""):  # a bucket: one line on what is wrong
         paths.check_reachable(pattern, "data.path", "--config.data.path")
     if data_cfg.get("tokenizer") and not data_cfg["tokenizer"].get("path") and d["source"] != "demo":
         raise ValueError(f"data.source={d['source']!r} needs data.tokenizer.path (a tokenizer file; "
