@@ -93,13 +93,12 @@ class BatchFetcher:
     def __init__(self, iterator: Any, timeout_s: float):
         self.iterator, self.timeout_s = iterator, timeout_s
         self.in_flight = False  # a read started and not yet returned (its thread may hang)
-        self._requests: queue.Queue[None] = queue.Queue()
+        self._requests: queue.Queue[bool] = queue.Queue()  # True: read one batch; False: end the thread
         self._results: queue.Queue[tuple[bool, Any]] = queue.Queue()
         self._thread: threading.Thread | None = None
 
     def _serve(self) -> None:
-        while True:
-            self._requests.get()
+        while self._requests.get():
             try:
                 self._results.put((True, next(self.iterator)))
             except BaseException as e:  # noqa: BLE001 - handed to the main thread, raised there
@@ -112,7 +111,7 @@ class BatchFetcher:
             self._thread = threading.Thread(target=self._serve, name="batch-fetcher", daemon=True)
             self._thread.start()
         if not self.in_flight:
-            self._requests.put(None)
+            self._requests.put(True)
             self.in_flight = True
         start = time.monotonic()
         while True:
@@ -135,6 +134,9 @@ class BatchFetcher:
         """Closes the iterator. With a read still in flight (it hangs), the close runs beside it
         and is given `timeout_s`; its failure goes to the log: the process is ending anyway."""
         if not self.in_flight:
+            if self._thread is not None:
+                self._requests.put(False)
+                self._thread.join()
             self.iterator.close()
             return
 
