@@ -64,7 +64,8 @@ def build_ours(config, batch: int, images, tokens):
 
     from prolip_jax import optim, sharding
     from prolip_jax import step as step_lib
-    from prolip_jax.train import build_model, model_config, step_config, parse_config
+    from prolip_jax.trainer.build import build_model, model_config, step_config
+    from prolip_jax.trainer.config import parse_config
 
     tc = parse_config(config)
     mcfg, scfg = model_config(tc), step_config(tc)
@@ -108,7 +109,8 @@ def main() -> None:
     config.batch_size = b = args.batch
 
     t0 = time.perf_counter()
-    from prolip_jax.train import model_config, parse_config
+    from prolip_jax.trainer.build import model_config
+    from prolip_jax.trainer.config import parse_config
 
     mcfg = model_config(parse_config(config))
     s, length = mcfg.vision.image_size, mcfg.text.context_length

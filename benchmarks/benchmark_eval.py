@@ -60,7 +60,8 @@ def csd_retrieval(queries: int, gallery: int, dim: int, block: int) -> dict:
 def encoder_speed(config, images: int, texts: int, batch: int) -> dict:
     from prolip_jax.encode import Encoder
     from prolip_jax.models import ProLIP
-    from prolip_jax.train import model_config, parse_config
+    from prolip_jax.trainer.build import model_config
+    from prolip_jax.trainer.config import parse_config
 
     mcfg = model_config(parse_config(config))
     model = ProLIP(mcfg, dtype=jnp.dtype(config.model.dtype), attention_impl=config.model.attention_impl)
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(args.config)
     for assignment in args.set:
         set_field(config, assignment)
-    from prolip_jax.train import model_config, parse_config
+    from prolip_jax.trainer.build import model_config
+    from prolip_jax.trainer.config import parse_config
 
     result = {"backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
               "n_devices": jax.device_count(), "variant": config.model.variant, "dtype": config.model.dtype}

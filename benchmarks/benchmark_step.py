@@ -44,7 +44,7 @@ def load_config(spec: str):
     module_spec = importlib.util.spec_from_file_location("config", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    from prolip_jax.train import with_defaults  # the sections a config may leave out, as the trainer fills them
+    from prolip_jax.trainer.config import with_defaults  # the sections a config may leave out, as the trainer fills them
 
     return with_defaults(module.get_config(arg or None))
 
@@ -169,7 +169,8 @@ class Bench:
     def __init__(self, config):
         from prolip_jax import optim, sharding
         from prolip_jax import step as step_lib
-        from prolip_jax.train import build_model, model_config, step_config, parse_config
+        from prolip_jax.trainer.build import build_model, model_config, step_config
+        from prolip_jax.trainer.config import parse_config
 
         self.config, self.sharding, self.step_lib = config, sharding, step_lib
         tc = parse_config(config)

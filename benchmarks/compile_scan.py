@@ -34,7 +34,8 @@ def build(config_arg: str, batch: int, scan: bool, overrides: list[str]):
     from benchmark_step import load_config, set_field  # benchmarks/benchmark_step.py
     from prolip_jax import optim, sharding
     from prolip_jax import step as step_lib
-    from prolip_jax.train import build_model, model_config, parse_config, step_config
+    from prolip_jax.trainer.build import build_model, model_config, step_config
+    from prolip_jax.trainer.config import parse_config
 
     config = load_config(config_arg)
     for assignment in overrides:

@@ -152,7 +152,7 @@ def load_config(spec: str, overrides: list[str]) -> Any:
     from ml_collections import config_flags
 
     from prolip_jax import config_args
-    from prolip_jax.train import with_defaults
+    from prolip_jax.trainer.config import with_defaults
 
     config = with_defaults(config_args.load_config_file(spec))
     config_args.check_overrides(config, overrides)
@@ -170,7 +170,7 @@ def load_config(spec: str, overrides: list[str]) -> Any:
 def build_step(config: Any, devices: list[Any], mcfg: Any = None, constraints: bool = True
                ) -> tuple[Any, tuple[Any, Any], dict[str, Any]]:
     """(jitted train step, (abstract state, abstract global batch), facts) on `devices`'s mesh,
-    built as prolip_jax/train.py builds them; `mcfg` replaces the config's model (a shallower one);
+    built as prolip_jax/trainer/build.py builds them; `mcfg` replaces the config's model (a shallower one);
     `constraints`: see compile_report."""
     import jax
     import jax.numpy as jnp
@@ -179,7 +179,8 @@ def build_step(config: Any, devices: list[Any], mcfg: Any = None, constraints: b
     from prolip_jax import flops as flops_lib
     from prolip_jax import optim, sharding
     from prolip_jax import step as step_lib
-    from prolip_jax.train import build_model, model_config, step_config, validate, parse_config
+    from prolip_jax.trainer.build import build_model, model_config, step_config, validate
+    from prolip_jax.trainer.config import parse_config
 
     tc = parse_config(config)
     mcfg = model_config(tc) if mcfg is None else mcfg
@@ -308,7 +309,8 @@ def compile_report(config: Any, topology: str | Topology, label: str = "", extra
     (`nn.with_logical_constraint(x, ("batch", "length", "embed"))`) apply under the config's
     sharding rules (step.make_train_step `rules`); False: the step before 2026-11-26, where they
     were no-ops and sharding propagation alone decided the activations' layout."""
-    from prolip_jax.train import model_config, parse_config
+    from prolip_jax.trainer.build import model_config
+    from prolip_jax.trainer.config import parse_config
 
     topo = parse_topology(topology) if isinstance(topology, str) else topology
     devices = topology_devices(topo)
@@ -385,9 +387,10 @@ def describe(r: dict[str, Any]) -> str:
 
 
 def check(config: Any, topo: Topology) -> None:
-    """The trainer's checks of `config` on `topo`'s mesh (prolip_jax/train.py validate): ValueError."""
+    """The trainer's checks of `config` on `topo`'s mesh (prolip_jax/trainer/build.py validate): ValueError."""
     from prolip_jax import sharding
-    from prolip_jax.train import model_config, validate, parse_config
+    from prolip_jax.trainer.build import model_config, validate
+    from prolip_jax.trainer.config import parse_config
 
     mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes, devices=topology_devices(topo))
     tc = parse_config(config)

@@ -146,7 +146,8 @@ def torch_step_figures(config_spec: str, per_device_batch: int, steps: int, comp
 
     from prolip_jax import flops as flops_lib
     from prolip_jax import step as step_lib
-    from prolip_jax.train import model_config, step_config, parse_config
+    from prolip_jax.trainer.build import model_config, step_config
+    from prolip_jax.trainer.config import parse_config
 
     config = load_config(config_spec)
     tc = parse_config(config)
@@ -223,7 +224,8 @@ def trainer_rate(workdir: Path) -> dict:
 def part_e2e(plan: Plan, r: Runner, env: dict, step_part: dict | None) -> dict:
     from benchmark_step import load_config
 
-    from prolip_jax.train import model_config, parse_config
+    from prolip_jax.trainer.build import model_config
+    from prolip_jax.trainer.config import parse_config
 
     config = load_config(plan.config)
     mcfg = model_config(parse_config(config))

@@ -4,7 +4,7 @@
     ev = build("zeroshot", dict(dataset="demo"), model)     # model: a ProLIP module
     metrics = dict(ev.run(params))                          # or run(params, progress=bar.update)
 
-The trainer (`prolip_jax.train.build_evaluators`, `config.evals`) and `scripts/evaluate.py`
+The trainer (`prolip_jax.trainer.build.build_evaluators`, `config.evals`) and `scripts/evaluate.py`
 both build evaluators here. A new evaluator is one module with a class following `Evaluator`,
 a frozen `Config` dataclass of its knobs (parsed by `common.parse_config`: a misspelled key is
 an error naming the nearest field) and its data reader beside it, and one line in `REGISTRY`.

@@ -153,7 +153,7 @@ class BatchFetcher:
 
 
 def build_train_data(tc: Any, model_config: Any, scfg: Any) -> Any:
-    """This host's training batches for `tc` (prolip_jax.train.TrainConfig; see configs/), with
+    """This host's training batches for `tc` (prolip_jax.trainer.config.TrainConfig; see configs/), with
     the step's masking settings `scfg` (prolip_jax.step.StepConfig)."""
     d = tc.data
     run = tc.run

@@ -130,12 +130,10 @@ class OptimConfig:
         """Whether any fine-tuning control is set (they need the parameter tree)."""
         return bool(self.lock or self.groups or self.layer_decay != 1.0)
 
-    def with_layout_of(self, saved: Mapping[str, Any]) -> "OptimConfig":
-        """This config with the LAYOUT_FIELDS of `saved` (a checkpoint's recorded `optim`; a field
-        it lacks was saved with its default): the optimiser whose state layout that checkpoint has."""
-        default = OptimConfig()
-        return OptimConfig.of({**dataclasses.asdict(self),
-                               **{k: saved.get(k, getattr(default, k)) for k in LAYOUT_FIELDS}})
+    def with_layout_of(self, saved: "OptimConfig") -> "OptimConfig":
+        """This config with the LAYOUT_FIELDS of `saved` (a checkpoint's recorded `optim`): the
+        optimiser whose state layout that checkpoint has."""
+        return OptimConfig.of({**dataclasses.asdict(self), **{k: getattr(saved, k) for k in LAYOUT_FIELDS}})
 
     def validate(self) -> None:
         """One-line ValueErrors naming the field (schema.parse has checked types and choices)."""

@@ -100,7 +100,7 @@ def check_keys(given: Any, known: Any, where: str) -> None:
 
 def parse(cls: type, section: Mapping[str, Any] | None, where: str) -> Any:
     """`cls` built from `section` (a ConfigDict or mapping; missing fields take their defaults)."""
-    values = _plain(section) if section is not None else {}
+    values = plain(section) if section is not None else {}
     check_keys(values, fields(cls), where)
     missing = [name for name in required(cls) if name not in values]
     if missing:
@@ -188,7 +188,7 @@ def _name(hint: Any) -> str:
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
-def _plain(section: Any) -> dict[str, Any]:
+def plain(section: Any) -> dict[str, Any]:
     """A ConfigDict / mapping as plain Python (nested ConfigDicts become dicts)."""
     if hasattr(section, "to_dict"):
         return section.to_dict()

@@ -35,7 +35,7 @@ FLAGS: tuple[tuple[str, str, str, str], ...] = (
     ("stop_at_step", "integer", "N", ("save and stop at step N, as a preempted run does; the same "
                                       "command without it continues to config.total_steps")),
 )
-# The config's sections (prolip_jax.train.SECTIONS plus loss, data and evals; a test keeps them
+# The config's sections (prolip_jax.trainer.config.SECTIONS plus loss, data and evals; a test keeps them
 # equal), named here so that help needs no import of the sections' modules.
 SECTIONS = ("model", "loss", "optim", "data", "masking", "step", "targets", "mesh", "init", "keep_best",
             "profile", "evals")
@@ -84,10 +84,11 @@ def config_help(spec: str) -> str:
 
 
 # ------------------------------------------------------------------------- the config's fields
-# The declared ones are read from the dataclasses that declare them (prolip_jax/train.py RunConfig
+# The declared ones are read from the dataclasses that declare them (prolip_jax/trainer/config.py RunConfig
 # and SECTIONS, input_pipeline DataConfig, the objective's Config) with `ast`: their modules import jax.
-_TRAINER = ROOT / "prolip_jax" / "train.py"
-_NOT_IN_DATA = ("batch_size",)  # the top-level batch_size rules (train.with_defaults drops data's)
+_TRAINER = ROOT / "prolip_jax" / "trainer" / "config.py"
+_BUILD = ROOT / "prolip_jax" / "trainer" / "build.py"  # EVAL_KEYS
+_NOT_IN_DATA = ("batch_size",)  # the top-level batch_size rules (trainer.config.with_defaults drops data's)
 
 
 def _module_file(module: str) -> Path | None:
@@ -177,7 +178,7 @@ def config_fields(spec: str) -> list[tuple[str, list[str]]]:
     out.append((f"loss. ({objective})", union(["objective", *(declared or [])], config.get("loss"))))
     declared = [f for f in _fields(_TRAINER, ast.Name("DataConfig")) or [] if f not in _NOT_IN_DATA]
     out.append(("data.", union(declared, config.get("data"))))
-    eval_keys = ast.literal_eval(_assigned(_TRAINER, "EVAL_KEYS"))
+    eval_keys = ast.literal_eval(_assigned(_BUILD, "EVAL_KEYS"))
     out += [(f"evals.{name}.", union(list(eval_keys), section)) for name, section in config.get("evals", {}).items()]
     out.append(("evals.NAME.", [f"{', '.join(eval_keys)} and the fields of that evaluator type's Config (evaluators/)"]))
     return out

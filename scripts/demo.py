@@ -5,7 +5,7 @@ r"""`make demo`: pretrain a small ProLIP on the demo dataset on CPU, evaluate it
 
 Three stages, each reused when a rerun finds it done:
   1. the demo dataset (input_pipeline/demo), generated into the cache if absent;
-  2. training with the real trainer (prolip_jax.train.train): grain pipeline, orbax checkpoints
+  2. training with the real trainer (prolip_jax.trainer.loop.train): grain pipeline, orbax checkpoints
      in WORKDIR/checkpoints, WORKDIR/metrics.jsonl and TensorBoard events in WORKDIR/tb. An
      interrupted run resumes from its last checkpoint; a finished one is not trained again;
   3. offline evaluation of the final checkpoint on the held-out demo splits with
@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     evaluate = _load_module(ROOT / "scripts" / "evaluate.py", "_prolip_evaluate")
     config = evaluate.load_config(args.config)
     from prolip_jax.data import demo_kwargs as run_demo_kwargs
-    from prolip_jax.train import model_config, parse_config
+    from prolip_jax.trainer.build import model_config
+    from prolip_jax.trainer.config import parse_config
 
     tc = parse_config(config)
     demo_kwargs = run_demo_kwargs(tc.data, model_config(tc))  # the trainer's dataset, exactly
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if step is not None and step >= config.total_steps:
         print(f"[2/3] training: already done ({workdir / 'checkpoints'} is at step {step})", flush=True)
     else:
-        from prolip_jax.train import train
+        from prolip_jax.trainer.loop import train
 
         resume = f", resuming from step {step}" if step else ""
         print(f"[2/3] training {config.total_steps} steps of batch {config.batch_size} on "

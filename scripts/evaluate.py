@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python scripts/evaluate.py` from anywhere: find evaluators/
     sys.path.insert(0, str(ROOT))
 
-EVAL_KEYS = ("type", "log_steps", "prefix")  # settings, not evaluator config (as prolip_jax.train)
+EVAL_KEYS = ("type", "log_steps", "prefix")  # settings, not evaluator config (as prolip_jax.trainer.build)
 
 
 def load_config(spec: str, overrides: list[str] = ()) -> Any:

@@ -332,6 +332,7 @@ def test_tar_shards_and_caption_files_from_a_bucket(bucket):
 
 def test_a_training_workdir_in_a_bucket(bucket, monkeypatch):
     from prolip_jax import train
+    from prolip_jax.trainer import checkpoints as trainer_checkpoints
     from prolip_jax.metrics import read_jsonl, read_tensorboard_scalars
 
     spec = importlib.util.spec_from_file_location("tiny", Path(__file__).parents[1] / "configs" / "tiny.py")
@@ -342,9 +343,9 @@ def test_a_training_workdir_in_a_bucket(bucket, monkeypatch):
 
     # orbax's arrays go through tensorstore's own GCS driver: hand the manager the local name of
     # the same folder (on a pod, orbax writes gs:// itself).
-    real_manager = train.ocp.CheckpointManager
+    real_manager = trainer_checkpoints.ocp.CheckpointManager
     to_local = lambda d: str(d).replace("gs://", str(bucket) + "/")  # noqa: E731
-    monkeypatch.setattr(train.ocp, "CheckpointManager",
+    monkeypatch.setattr(trainer_checkpoints.ocp, "CheckpointManager",
                         lambda directory, *a, **k: real_manager(to_local(directory), *a, **k))
     train.train(c, "gs://b/run")
     run = bucket / "b" / "run"

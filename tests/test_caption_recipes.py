@@ -18,7 +18,8 @@ from PIL import Image
 
 from input_pipeline.demo import render
 from input_pipeline.demo.dataset import write_tokenizer
-from prolip_jax import config_args, train
+from prolip_jax import config_args
+from prolip_jax.trainer import build as trainer_build, config as trainer_config
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("pcmepp", "pcme", "daa", "pishdad", "vse", "infonce")
@@ -28,9 +29,9 @@ TEMPLATES = ("a {c} {s}", "a {z} {c} {s}", "a {c} {s} {p}", "the {s} is {c}", "a
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("arg", ["", "dataset=cub", "dataset=flickr30k,noise=0.2"])
 def test_recipe_parses_at_paper_size(method, arg):
-    c = train.with_defaults(config_args.load_config_file(f"configs/{method}_coco.py" + (f":{arg}" if arg else "")))
-    parsed = train.parse_config(c)
-    mcfg = train.model_config(parsed)
+    c = trainer_config.with_defaults(config_args.load_config_file(f"configs/{method}_coco.py" + (f":{arg}" if arg else "")))
+    parsed = trainer_config.parse_config(c)
+    mcfg = trainer_build.model_config(parsed)
     assert c.batch_size in (128, 150) and c.total_steps > 10_000
     assert mcfg.vision.patch_size == 32 and mcfg.text.context_length == 77  # CLIP ViT-B/32's towers
     assert (mcfg.vision.embed_unc and mcfg.text.embed_unc) == (method not in ("vse", "infonce"))
@@ -52,8 +53,8 @@ def test_recipe_warm_starts_clip_with_new_1024d_projections(method):
     from prolip_jax.models import abstract_params
     from prolip_jax.pretrained import openclip, warm_start
 
-    c = train.with_defaults(config_args.load_config_file(f"configs/{method}_coco.py"))
-    mcfg = train.model_config(train.parse_config(c))
+    c = trainer_config.with_defaults(config_args.load_config_file(f"configs/{method}_coco.py"))
+    mcfg = trainer_build.model_config(trainer_config.parse_config(c))
     assert mcfg.embed_dim == 1024
     clip = openclip.config_from_open_clip(openclip.arch_config("ViT-B-32-quickgelu"))
     target, source = abstract_params(mcfg), abstract_params(clip)

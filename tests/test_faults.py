@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from prolip_jax import checkpoint, train
+from prolip_jax.trainer import build as trainer_build, workdir as trainer_workdir
 
 from test_train import tiny_config
 
@@ -246,12 +247,12 @@ def test_a_failure_outside_the_model_saves_first(run, tmp_path, capfd, monkeypat
     is saved first, one line names what failed and the checkpoint, exit 2; the rerun continues
     exactly (same batches: bit-identical to the uninterrupted run)."""
     if part == "data":
-        build = train.build_train_data
-        monkeypatch.setattr(train, "build_train_data", lambda *a: _FailingData(build(*a), at=3))
+        build = trainer_build.build_train_data
+        monkeypatch.setattr(trainer_build, "build_train_data", lambda *a: _FailingData(build(*a), at=3))
         saved, what = 2, "the data pipeline"
         gist = "RuntimeError: Worker process was terminated unexpectedly with exit code -9"
     else:
-        monkeypatch.setattr(train, "build_evaluators", lambda run_config, model: [
+        monkeypatch.setattr(trainer_build, "build_evaluators", lambda run_config, model: [
             ({"name": "zs", "log_steps": 1, "prefix": ""}, _FailingEvaluator(at=2))])
         saved, what = 2, "evaluator 'zs'"
         gist = "OSError: the evaluation data's mount is gone"
@@ -462,5 +463,5 @@ def test_a_workdir_of_a_run_or_of_the_launch_scripts_is_accepted(tmp_path):
         w.mkdir()
         for n in names:
             (w / n).mkdir()
-        train.check_workdir(str(w))
-    train.check_workdir(str(tmp_path / "new"))
+        trainer_workdir.check_workdir(str(w))
+    trainer_workdir.check_workdir(str(tmp_path / "new"))

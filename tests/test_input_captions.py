@@ -394,6 +394,7 @@ def test_trainer_feeds_image_id_and_writes_the_noisy_pairs(coco, spm_model, tmp_
     image_id reaches the device batch, and <workdir>/noisy_pairs.json is written before the
     checkpoint manager starts (train() is stopped there: no step is compiled)."""
     from prolip_jax import sharding, train
+    from prolip_jax.trainer import build as trainer_build, checkpoints as trainer_checkpoints, config as trainer_config
     from prolip_jax.data import build_train_data
 
     args = ["prolip_jax.train", "--config", "configs/tiny.py:size=micro", "--workdir", str(tmp_path / "w"),
@@ -402,8 +403,8 @@ def test_trainer_feeds_image_id_and_writes_the_noisy_pairs(coco, spm_model, tmp_
             f"--config.data.tokenizer.path={spm_model}",
             "--config.targets.positives=image_id", "--config.masking.mask_token_id=3"]
     config, fv = train.parse_command_line(args)
-    tc = train.parse_config(config)
-    data = build_train_data(tc, train.model_config(tc), train.step_config(tc))
+    tc = trainer_config.parse_config(config)
+    data = build_train_data(tc, trainer_build.model_config(tc), trainer_build.step_config(tc))
     batch = next(data)
     assert batch["image_id"].shape == (16,) and set(batch["image_id"].tolist()) <= set(range(500, 508))
     mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
@@ -413,7 +414,7 @@ def test_trainer_feeds_image_id_and_writes_the_noisy_pairs(coco, spm_model, tmp_
 
     def stop(*a, **k):
         raise _Stop
-    monkeypatch.setattr(train.ocp, "CheckpointManager", stop)
+    monkeypatch.setattr(trainer_checkpoints.ocp, "CheckpointManager", stop)
     with pytest.raises(_Stop):
         train.train(config, fv.workdir)
     doc = json.loads((tmp_path / "w" / "noisy_pairs.json").read_text())

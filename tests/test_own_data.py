@@ -19,6 +19,7 @@ from evaluators import retrieval_data
 from evaluators import zeroshot as zs
 from input_pipeline import eval_data, synthetic
 from prolip_jax import train
+from prolip_jax.trainer import build as trainer_build, config as trainer_config
 
 ROOT = Path(__file__).resolve().parents[1]
 OWN = str(ROOT / "configs" / "own_data.py")
@@ -91,12 +92,12 @@ def test_own_data_config_parses_with_overrides():
     assert config.masking.mask_token_id == 5 and tuple(config.masking.protected_ids) == (0, 1)
     # the small-scale loss weights, not the paper's (which leave sigma^2 at init in a short run)
     assert (config.loss.vib_beta, config.loss.alpha_image_text) == (1e-3, 1e-3)
-    mcfg = train.model_config(train.parse_config(config))
+    mcfg = trainer_build.model_config(trainer_config.parse_config(config))
     assert (mcfg.vision.image_size, mcfg.text.context_length) == (config.data.image_size, 16)
     # size=small: a model file of its own, image size and context to match
     config, _ = train.parse_command_line([
         "prolip_jax.train", "--config", OWN + ":size=small,steps=7", "--workdir", "/unused"])
-    mcfg = train.model_config(train.parse_config(config))
+    mcfg = trainer_build.model_config(trainer_config.parse_config(config))
     assert config.total_steps == 7 and mcfg.vision.image_size == config.data.image_size == 64
     assert mcfg.text.context_length == config.data.tokenizer.context_length == 32
     with pytest.raises(ValueError, match="unknown size 'huge'"):
@@ -226,8 +227,8 @@ def test_recipe_training_batches_from_png_tar_shards(tmp_path, spm_model):
     _tar_shards(tmp_path / "shards")
     config, _ = train.parse_command_line(["prolip_jax.train", "--config", OWN, "--workdir", "/unused",
                                           *_micro_args(tmp_path, spm_model)])
-    tc = train.parse_config(config)
-    data = build_train_data(tc, train.model_config(tc), train.step_config(tc))
+    tc = trainer_config.parse_config(config)
+    data = build_train_data(tc, trainer_build.model_config(tc), trainer_build.step_config(tc))
     try:
         batch = next(data)
     finally:

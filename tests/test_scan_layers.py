@@ -23,7 +23,7 @@ import pytest
 from configs import tiny as tiny_config
 from prolip_jax import checkpoint, convert, optim, sharding
 from prolip_jax import step as S
-from prolip_jax import train
+from prolip_jax.trainer import build as trainer_build, config as trainer_config, state as trainer_state
 from prolip_jax.models import ProLIP, abstract_params, get_config
 from prolip_jax.models.layout import layout_of, to_layout
 from prolip_jax.models.transformer import REMAT_POLICIES
@@ -224,21 +224,21 @@ class NoData:
 
 def test_checkpoint_resumes_across_layouts(steps_setup, tmp_path):
     """An unrolled train checkpoint resumes into a scanned model and a scanned one into an unrolled
-    model (train.restore: params and Adam moments converted), exactly; load_params gives either."""
+    model (trainer_state.restore: params and Adam moments converted), exactly; load_params gives either."""
     model, tx, mesh, _, runs = steps_setup
     tc = types.SimpleNamespace(optim=optim.OptimConfig.of(OPTIM),
                                run=types.SimpleNamespace(total_steps=10, sharding_rules="replicated"))
     for saved_scan in (False, True):
         state = runs[saved_scan][0]
         directory = tmp_path / f"scan_{saved_scan}"
-        meta = ml_collections.ConfigDict({"model": {"scan_layers": saved_scan}, "optim": OPTIM})
+        meta = {"model": {"scan_layers": saved_scan}, "optim": dict(OPTIM)}
         with ocp.CheckpointManager(directory, item_names=checkpoint.TRAIN_ITEMS) as mngr:
             checkpoint.save_train_state(mngr, 3, jax.device_put(state), MICRO2, meta, NoData())
             mngr.wait_until_finished()
             target = model.clone(scan_layers=not saved_scan)
             traced = S.trace_params(target)
             shardings = S.state_shardings(traced.boxed, tx, mesh, "replicated")
-            restored = train.restore(mngr, 3, target, tx, shardings, mesh, tc, traced, NoData())
+            restored = trainer_state.restore(mngr, 3, target, tx, shardings, mesh, tc, traced, NoData())
         assert layout_of(restored.params) is (not saved_scan)
         assert_tree_equal(restored.params, to_layout(state.params, not saved_scan))
         assert_tree_equal(restored.opt_state, to_layout((state.params, state.opt_state), not saved_scan)[1])
@@ -250,13 +250,13 @@ def test_checkpoint_resumes_across_layouts(steps_setup, tmp_path):
 
 
 def test_validate_refuses_per_block_optimizers():
-    config = train.with_defaults(tiny_config.get_config())
+    config = trainer_config.with_defaults(tiny_config.get_config())
     config.model.scan_layers = True
     config.optim.layer_decay = 0.75
-    tc = train.parse_config(config)
+    tc = trainer_config.parse_config(config)
     with pytest.raises(ValueError, match="scan_layers=False"):
-        train.validate(tc, sharding.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), jax.devices()[:1]),
-                       train.model_config(tc))
+        trainer_build.validate(tc, sharding.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), jax.devices()[:1]),
+                       trainer_build.model_config(tc))
 
 
 @pytest.mark.parametrize("fork_after", [0, 1, 2])

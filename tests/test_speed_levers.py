@@ -109,7 +109,8 @@ def test_finite_guard(fused):
 
 
 def test_step_options_come_from_the_config():
-    from prolip_jax.train import build_model, model_config, parse_config, step_config
+    from prolip_jax.trainer.build import build_model, model_config, step_config
+    from prolip_jax.trainer.config import parse_config
 
     config = ml_collections.ConfigDict({"total_steps": 10, "batch_size": 8,
                                         "step": {"finite_guard": "fused", "cast_params_once": True},

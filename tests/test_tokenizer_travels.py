@@ -185,22 +185,23 @@ def trained(shards, tok_path, tmp_path_factory):
     import jax
     import orbax.checkpoint as ocp
 
-    from prolip_jax import checkpoint, train
+    from prolip_jax import checkpoint
+    from prolip_jax.trainer import build as trainer_build, config as trainer_config
     from prolip_jax.data import build_train_data
     from prolip_jax.models import abstract_params
 
     tmp = tmp_path_factory.mktemp("run")
-    cfg = train.with_defaults(_config(tmp, shards[0], tok_path))
-    tc = train.parse_config(cfg)
-    mcfg = train.model_config(tc)
-    data = build_train_data(tc, mcfg, train.step_config(tc))
+    cfg = trainer_config.with_defaults(_config(tmp, shards[0], tok_path))
+    tc = trainer_config.parse_config(cfg)
+    mcfg = trainer_build.model_config(tc)
+    data = build_train_data(tc, mcfg, trainer_build.step_config(tc))
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda a: (0.1 * rng.standard_normal(a.shape)).astype(a.dtype), abstract_params(mcfg))
     state = types.SimpleNamespace(params=params, opt_state={"count": np.zeros((), np.int32)},
                                   step=np.asarray(2, np.int32), skipped=np.asarray(0, np.int32))
     with ocp.CheckpointManager((tmp / "workdir" / "checkpoints").absolute(), item_names=checkpoint.TRAIN_ITEMS,
                                options=ocp.CheckpointManagerOptions(create=True)) as mngr:
-        checkpoint.save_train_state(mngr, 2, state, mcfg, cfg, data)
+        checkpoint.save_train_state(mngr, 2, state, mcfg, trainer_config.record(tc), data)
         mngr.wait_until_finished()
     data.close()
     return tmp / "workdir", shards[1]

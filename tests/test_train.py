@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from prolip_jax import checkpoint, train
+from prolip_jax.trainer import build as trainer_build, config as trainer_config
 from prolip_jax.metrics import read_jsonl
 from prolip_jax.models import ProLIP
 from input_pipeline import tokenizer_files
@@ -178,16 +179,16 @@ def test_bad_configs_fail_before_compiling(tmp_path):
 def test_model_embed_dim_override(tmp_path):
     """config.model.embed_dim replaces the variant's joint embedding size (PCME++'s 1024-d on
     CLIP's trunks); 0 keeps it; a negative size or one the towers cannot take is an error."""
-    base = train.model_config(train.parse_config(tiny_config(tmp_path)))
-    assert train.model_config(train.parse_config(tiny_config(tmp_path, **{"model.embed_dim": 0}))) == base
+    base = trainer_build.model_config(trainer_config.parse_config(tiny_config(tmp_path)))
+    assert trainer_build.model_config(trainer_config.parse_config(tiny_config(tmp_path, **{"model.embed_dim": 0}))) == base
     heads = {"model.vision": {"unc_head": "block", "pool": "gpo"},
              "model.text": {"unc_head": "block", "pool": "gpo", "pad_id": 0}}
-    wide = train.model_config(train.parse_config(tiny_config(tmp_path, **heads, **{"model.embed_dim": 2 * base.embed_dim})))
+    wide = trainer_build.model_config(trainer_config.parse_config(tiny_config(tmp_path, **heads, **{"model.embed_dim": 2 * base.embed_dim})))
     assert wide.embed_dim == 2 * base.embed_dim and wide.vision.width == base.vision.width
     with pytest.raises(ValueError, match="config.model.embed_dim=-1 must be > 0"):
-        train.model_config(train.parse_config(tiny_config(tmp_path, **{"model.embed_dim": -1})))
+        trainer_build.model_config(trainer_config.parse_config(tiny_config(tmp_path, **{"model.embed_dim": -1})))
     with pytest.raises(ValueError, match="text width .* must equal embed_dim"):   # ProLIP's text head
-        train.model_config(train.parse_config(tiny_config(tmp_path, **{"model.embed_dim": 2 * base.embed_dim})))
+        trainer_build.model_config(trainer_config.parse_config(tiny_config(tmp_path, **{"model.embed_dim": 2 * base.embed_dim})))
 
 
 def test_nonfinite_run_stops_with_last_good_checkpoint(tmp_path):

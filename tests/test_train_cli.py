@@ -99,8 +99,8 @@ def test_entry_point_bad_config_path(tmp_path):
 
 _CACHE_PROBE = """
 import sys, jax, jax.numpy as jnp
-from prolip_jax import train
-print(train.use_compile_cache(sys.argv[1]))
+from prolip_jax.trainer.workdir import use_compile_cache
+print(use_compile_cache(sys.argv[1]))
 jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(3)).block_until_ready()
 """
 

@@ -11,6 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from prolip_jax import checkpoint, convert, train
+from prolip_jax.trainer import build as trainer_build, config as trainer_config
 from prolip_jax.metrics import read_jsonl
 from prolip_jax.models import init_params
 from prolip_jax.pretrained import warm_start
@@ -47,7 +48,7 @@ def clip_dir(tmp_path_factory):
 
 def _finetune_config(tmp_path, source_dir, **overrides):
     """The `tiny` ProLIP warm-started from `source_dir`, its image tower locked, 16 steps."""
-    cfg = train.with_defaults(tiny_config(tmp_path, **{
+    cfg = trainer_config.with_defaults(tiny_config(tmp_path, **{
         "model.variant": "tiny", "data.image_size": 32, "total_steps": 16, "optim.warmup_steps": 2, **overrides}))
     cfg.init.path, cfg.optim.locked = str(source_dir), ("^visual/",)
     cfg.data.demo = dict(cfg.data.demo, image_size=32, num_train=400)
@@ -66,7 +67,7 @@ def test_finetune_from_clip_with_the_image_tower_locked(tmp_path, clip_dir):
     assert kinds["visual/unc_embedding"] == "new" and kinds["text/positional_embedding"] == "resized"
 
     # What the trainer started from: the warm start of its fresh init (same seed, same values).
-    mcfg = train.model_config(train.parse_config(cfg))
+    mcfg = trainer_build.model_config(trainer_config.parse_config(cfg))
     start, _ = warm_start.init_from_config(cfg.init, mcfg, jax.device_get(init_params(mcfg, jax.random.key(cfg.seed))))
     start = _flat(start)
     last, _, step = checkpoint.load_params(ckpts)
@@ -125,8 +126,8 @@ def test_recipes_fit_their_sources(recipe, source_arch):
     from prolip_jax.pretrained import warm_start
     from prolip_jax.pretrained.openclip import arch_config
 
-    cfg = train.with_defaults(config_args.load_config_file(f"{ROOT}/configs/finetune.py:recipe={recipe}"))
-    target = train.model_config(train.parse_config(cfg))
+    cfg = trainer_config.with_defaults(config_args.load_config_file(f"{ROOT}/configs/finetune.py:recipe={recipe}"))
+    target = trainer_build.model_config(trainer_config.parse_config(cfg))
     assert cfg.data.tokenizer.context_length == target.text.context_length
     assert cfg.data.image_size == target.vision.image_size
     source = get_config(source_arch) if "/" in source_arch else config_from_open_clip(arch_config(source_arch))

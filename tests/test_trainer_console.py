@@ -17,6 +17,7 @@ import pytest
 
 import evaluators
 from prolip_jax import messages, train, train_flags
+from prolip_jax.trainer import config as trainer_config, console as trainer_console
 from prolip_jax.metrics import read_jsonl
 from prolip_jax.models import abstract_params, get_config
 from prolip_jax.pretrained.warm_start import warm_start
@@ -75,7 +76,7 @@ def test_help_names_every_flag_and_section_the_trainer_defines():
                                       "--workdir", "/unused"])
     defined = {name for name in fv if name != "config" and not name.startswith("config.")}
     assert {name for name, *_ in train_flags.FLAGS} == defined
-    assert set(train_flags.SECTIONS) == {*train.SECTIONS, "loss", "data", "evals"}
+    assert set(train_flags.SECTIONS) == {*trainer_config.SECTIONS, "loss", "data", "evals"}
 
 
 def test_console_of_a_tiny_run(tmp_path, capsys):
@@ -135,11 +136,11 @@ def test_the_evaluate_command_fits_the_run_data():
                         r"coco\.py --out /runs/x/eval --config\.karpathy_json=/c/k\.json --config\.image_root=/c"),
                        ({"source": "tar"}, r"imagefolder\.py --out /runs/x/eval --config\.root=YOUR_IMAGEFOLDER")):
         assert re.fullmatch(r"python \S*scripts/evaluate\.py --checkpoint /runs/x --config \S*configs/eval/" + tail,
-                            train.evaluate_command(w, data)), data
+                            trainer_console.evaluate_command(w, data)), data
     # A run with its own zero-shot folder (configs/own_data.py:zeroshot=DIR) is evaluated on it.
     config, _ = train.parse_command_line(["prolip_jax.train", "--config", f"{ROOT}/configs/own_data.py:zeroshot=/d/digits",
                                           "--workdir", "/u", "--config.evals.zeroshot.split=test"])
-    assert train.evaluate_command(w, {"source": "tar"}, config.evals).endswith(
+    assert trainer_console.evaluate_command(w, {"source": "tar"}, config.evals).endswith(
         "imagefolder.py --out /runs/x/eval --config.root=/d/digits --config.split=test")
 
 
@@ -147,7 +148,7 @@ def test_every_evaluator_declares_its_headline():
     for kind in evaluators.REGISTRY:
         assert getattr(evaluators.get(kind), "HEADLINE", ()), kind
     values = {"zeroshot/object/top1_csd": 1, "zeroshot/object/unc_bin3_top1_csd": 1, "x/i2t_R@1": 1}
-    assert train.headline(evaluators.get("zeroshot"), values) == ["zeroshot/object/top1_csd"]
+    assert trainer_console.headline(evaluators.get("zeroshot"), values) == ["zeroshot/object/top1_csd"]
 
 
 def test_few_cuts_long_lists():

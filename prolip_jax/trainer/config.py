@@ -1,0 +1,199 @@
+"""The trainer's config, typed: `parse_config` checks every field of a configs/*.py ConfigDict
+against its declaration (the dataclass beside the code that uses it) once, at the top of a run,
+and every part of the trainer receives the section it needs. `with_defaults` fills what a config
+leaves out, so `--config.<section>.<any field>=...` works on the command line; `record` is what a
+checkpoint keeps of it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Literal
+
+from input_pipeline import paths as data_paths
+from input_pipeline.config import AUTO as DATA_AUTO
+from input_pipeline.config import SOURCES as DATA_SOURCES
+from input_pipeline.config import DataConfig
+from prolip_jax import checkpoint as ckpt_lib
+from prolip_jax import objectives, optim, profiling, schema, sharding
+from prolip_jax import step as step_lib
+from prolip_jax.models.config import PAPER_INIT_LOGIT_SCALE
+from prolip_jax.models.transformer import REMAT_POLICIES
+from prolip_jax.pretrained import warm_start
+from prolip_jax.targets import TargetsConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """The top-level fields of a trainer config (configs/*.py); the sections are in SECTIONS."""
+
+    total_steps: int
+    batch_size: int  # global
+    seed: int = 0
+    microbatches: int = 1  # gradient caching over k microbatches (step.py)
+    sharding_rules: Any = "replicated"  # a name in sharding.RULES or ((logical, mesh axis), ...)
+    log_steps: int = 50
+    checkpoint_steps: int = 1000
+    keep_checkpoints: int = 3
+    max_nonfinite_in_a_row: int = 10  # skipped updates in a row before the run stops
+    # Seconds the loop waits for one batch before it saves and stops in one line. The first
+    # batch fills every data worker's shuffle window: raise this for large windows in a bucket.
+    data_timeout_s: float = 600.0
+    evals: Any = dataclasses.field(default_factory=dict)  # name -> evaluator config (build_evaluators)
+    # A fresh run (not a resume) first runs every evaluator on its starting parameters and logs
+    # them at step 0: what a warm start scores before any update (the baseline of a fine-tune).
+    eval_at_start: bool = False
+    # JAX's persistent compilation cache: a relaunch (a resume, a requeued job, the next run of the
+    # same config) loads its compiled programs instead of compiling them again. "" turns it off;
+    # JAX_COMPILATION_CACHE_DIR, when set, wins. A bucket path (gs://...) serves a whole pod.
+    compile_cache_dir: str = "~/.cache/prolip_jax/jax_compile_cache"
+
+    def validate(self) -> None:
+        for name in ("total_steps", "batch_size", "microbatches", "log_steps", "checkpoint_steps",
+                     "keep_checkpoints", "max_nonfinite_in_a_row", "data_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"config.{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """`config.model`: which towers, at which precision. `vision` / `text` override fields of
+    the variant's VisionConfig / TextConfig (prolip_jax/models/config.py), e.g. the heads and
+    pooling of the other methods: `model.text = dict(pool="gpo")`."""
+
+    # A name in prolip_jax.models.VARIANTS, or "open_clip:NAME" for the towers of an open_clip
+    # architecture ('open_clip:ViT-B-32-quickgelu', prolip_jax/pretrained/openclip.py ARCHS): the
+    # shape a CLIP warm start needs, with `vision` / `text` adding the method's heads.
+    variant: str = "tiny"
+    config_json: str = ""  # or a reference config.json (any size), used instead of `variant`
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute; params stay float32
+    remat: str = dataclasses.field(default="none", metadata={"choices": tuple(REMAT_POLICIES)})
+    attention_impl: Literal["auto", "xla", "cudnn"] = "auto"
+    # False: on CPU the scanned step is 6-17% slower and B/16's compiled temporaries 1.7x (docs/performance.md)
+    scan_layers: bool = False  # each tower's blocks as one nn.scan (models/layout.py): 4x faster B/16 compile
+    # GPU speed levers of the blocks, the same arithmetic, one line per field of
+    # models/transformer.py BlockLevers (build_model passes them by name; tests/test_speed_levers.py;
+    # docs/performance.md): the blocks on [B*T, D] token matrices, and the LayerNorms' backward
+    # reading the forward's row statistics.
+    flat_tokens: bool = False
+    ln_saved_stats: bool = False
+    init_logit_scale: float = PAPER_INIT_LOGIT_SCALE  # log a
+    init_logit_bias: float | None = None  # b; None: the variant's (ProLIP: -10)
+    # The joint embedding's size (mu, sigma^2); 0: the variant's. PCME++ on COCO: 1024 on CLIP's
+    # 512-d trunks (seed 003 App. B.2), with config.init.fresh for the new projections.
+    embed_dim: int = 0
+    vision: Any = dataclasses.field(default_factory=dict)
+    text: Any = dataclasses.field(default_factory=dict)
+
+
+# The config's sections and the dataclass declaring each one's fields, beside the code that uses
+# them. `loss` is the selected objective's Config (prolip_jax/objectives/); `data` is
+# input_pipeline.DataConfig (validated by the pipeline when it is built, before compiling).
+SECTIONS: dict[str, type] = {
+    "model": ModelOptions,
+    "masking": step_lib.MaskingConfig,  # ProLIP's masked forward
+    "step": step_lib.StepOptions,  # how the step computes: speed levers, same result (prolip_jax/step.py)
+    "targets": TargetsConfig,  # positives and MSDA (prolip_jax/targets.py)
+    "optim": optim.OptimConfig,
+    "mesh": sharding.MeshConfig,
+    "init": warm_start.InitConfig,  # a pretrained model to start from (prolip_jax/pretrained/warm_start.py)
+    "keep_best": ckpt_lib.KeepBestConfig,  # the best checkpoint by a metric (prolip_jax/checkpoint.py)
+    "profile": profiling.ProfileConfig,  # a jax.profiler trace of a few steps (prolip_jax/profiling.py)
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A trainer config, typed: `parse_config` builds it once at the top of a run and each part
+    of the code receives the section it needs (nothing downstream re-parses the ConfigDict)."""
+
+    run: RunConfig
+    model: ModelOptions
+    masking: step_lib.MaskingConfig
+    step: step_lib.StepOptions
+    targets: TargetsConfig
+    optim: optim.OptimConfig
+    mesh: sharding.MeshConfig
+    init: warm_start.InitConfig
+    keep_best: ckpt_lib.KeepBestConfig
+    profile: profiling.ProfileConfig
+    objective: str  # a name in prolip_jax.objectives.REGISTRY
+    loss: Any  # that objective's Config
+    # `config.data` as a dict, its keys and source checked: the pipeline builds its DataConfig from
+    # it with what only the model knows (prolip_jax/data.py), and "random" needs no pipeline.
+    data: dict[str, Any]
+
+    @property
+    def normalization(self) -> str:
+        return self.data.get("normalization", "openai")
+
+
+def objective_name(config) -> str:
+    return config.loss.get("objective", "prolip") if "loss" in config else "prolip"
+
+
+def parse_config(config) -> TrainConfig:
+    """Every field of `config` checked against its declaration: unknown fields, wrong types and
+    values outside a field's choices are one-line ValueErrors / TypeErrors."""
+    schema.check_keys(config.keys(), {*schema.fields(RunConfig), *SECTIONS, "loss", "data"}, "config")
+    run = schema.parse(RunConfig, {k: config[k] for k in schema.fields(RunConfig) if k in config}, "config")
+    sections = {name: schema.parse(cls, config.get(name), f"config.{name}") for name, cls in SECTIONS.items()}
+    name = objective_name(config)
+    module = objectives.get(name)
+    loss = schema.parse(module.Config, {k: v for k, v in (config.get("loss") or {}).items() if k != "objective"},
+                        f"config.loss (objective {name!r})")
+    data = config.data.to_dict() if "data" in config else {}
+    if data:
+        schema.check_keys(data.keys(), schema.fields(DataConfig), "config.data")
+        if data.get("source") == DATA_AUTO and data.get("path"):  # every part below sees the kind named
+            data["source"] = data_paths.source_of_paths(data["path"])
+        if data.get("source") not in ("random", DATA_AUTO, *DATA_SOURCES):
+            raise ValueError(f"config.data.source={data.get('source')!r} is not one of "
+                             f"{('random', DATA_AUTO, *DATA_SOURCES)}")
+    return TrainConfig(run=run, **sections, objective=name, loss=loss, data=data)
+
+
+def record(tc: TrainConfig) -> dict[str, Any]:
+    """What a checkpoint keeps of the config (its `train_config`): the typed sections in the
+    layout of a config file (the run's fields at the top, `loss` with its `objective`), as JSON
+    values. Checkpoints written from the raw ConfigDict have the same layout."""
+    sections = {name: dataclasses.asdict(getattr(tc, name)) for name in SECTIONS}
+    run = dataclasses.asdict(tc.run)
+    run["evals"] = {k: schema.plain(v) for k, v in tc.run.evals.items()}
+    loss = {"objective": tc.objective, **dataclasses.asdict(tc.loss)}
+    return json.loads(json.dumps({**run, **sections, "loss": loss, "data": tc.data}, default=str))
+
+
+def recorded(cls: type, saved: Any) -> Any:
+    """Section `cls` as a checkpoint recorded it (`record`'s dict for that section): the fields
+    this code still declares; the others, and any the checkpoint lacks, take today's defaults."""
+    known = {k: v for k, v in (saved or {}).items() if k in schema.fields(cls)}
+    return schema.parse(cls, known, "the checkpoint's recorded config")
+
+
+def with_defaults(config):
+    """`config` with every field it leaves out set to the default declared beside the code that
+    uses it (RunConfig, SECTIONS, the objective's Config, input_pipeline.DataConfig), so
+    `--config.<section>.<any field>=...` works (None defaults become typed placeholders:
+    ml_collections cannot override a plain None)."""
+    def fill(section, defaults):
+        for key, value in defaults.items():
+            if key not in section:
+                section[key] = value
+
+    with config.unlocked():
+        fill(config, schema.defaults(RunConfig))
+        for name, cls in SECTIONS.items():
+            if name not in config:
+                config[name] = {}
+            fill(config[name], schema.defaults(cls))
+        if "loss" not in config:
+            config.loss = {}
+        fill(config.loss, {"objective": objective_name(config), **schema.defaults(objectives.get(
+            objective_name(config)).Config)})
+        if "data" in config:
+            data_defaults = schema.defaults(DataConfig)
+            data_defaults.pop("batch_size")  # the trainer's batch_size rules
+            data_defaults["tokenizer"] = {"kind": "sentencepiece", "path": ""}  # build_tokenizer kwargs
+            fill(config.data, data_defaults)
+    return config
