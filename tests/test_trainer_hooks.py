@@ -63,7 +63,7 @@ def test_a_hook_that_stops_the_run_leaves_it_resumable(tmp_path):
     """StopRun from a user's hook: the state reached is saved, no error; the same command
     continues from it."""
     recorder = Recorder()
-    train.train(config(tmp_path), str(tmp_path / "w"), extra_hooks=[StopAfter(2), recorder])
+    train.train(config(tmp_path), str(tmp_path / "w"), extra_hooks=[recorder, StopAfter(2)])
     assert recorder.calls == ["begin@0", "after@1", "after@2", "close"]
     assert sorted(p.name for p in (tmp_path / "w" / "checkpoints").iterdir()) == ["2"]
     again = Recorder()
