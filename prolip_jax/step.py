@@ -56,7 +56,7 @@ def all_finite(tree: Any, fused: bool = False) -> jax.Array:
     boolean reduction per leaf; x * 0 is 0 for finite x and NaN for an inf or NaN, so the sum is
     finite exactly when every leaf is, and cannot overflow. A float sum is what XLA can fold into
     the kernel that writes the leaf (the optimiser update), where ~400 boolean reductions were
-    400 kernels of their own on the GPU (docs/gpu_results/2026-11-24-h100/breakdown.txt)."""
+    400 kernels of their own in the GPU profile (docs/performance.md, "Levers and defaults")."""
     floats = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
     if not floats:
         return jnp.array(True)
@@ -406,8 +406,9 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
     rules: the logical-axis rules of the parameters (`config.sharding_rules`), under which the
     towers' activation constraints (`nn.with_logical_constraint` on the residual stream) lay the
     activations out on `mesh` too; None leaves them no-ops and XLA to choose. With FSDP, the
-    scanned large towers fit only with them: H/14 at batch 16,384 on a v5p-128 needs 20 GiB per
-    chip with them and ~330 GiB without (docs/performance.md).
+    scanned large towers fit only with them: without, sharding propagation replicates the scanned
+    residual stream and L/16 at the paper's batch asks ~27x the HBM per chip (docs/performance.md,
+    "TPU pods, compiled ahead of time").
     """
     n_shards = sharding.num_batch_shards(mesh)
     check_batch_layout(global_batch, n_shards, cfg)
