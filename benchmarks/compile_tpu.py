@@ -307,8 +307,8 @@ def compile_report(config: Any, topology: str | Topology, label: str = "", extra
     (libtpu takes ~18 GB of host memory for B/16 whatever the batch; the towers are unrolled).
     constraints: the step as the trainer builds it, whose towers' activation constraints
     (`nn.with_logical_constraint(x, ("batch", "length", "embed"))`) apply under the config's
-    sharding rules (step.make_train_step `rules`); False: the step before 2026-11-26, where they
-    were no-ops and sharding propagation alone decided the activations' layout."""
+    sharding rules (step.make_train_step `rules`); False: the step as the trainer once lowered it,
+    where they were no-ops and sharding propagation alone decided the activations' layout."""
     from prolip_jax.trainer.build import model_config
     from prolip_jax.trainer.config import parse_config
 
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="also write the markdown table here")
     p.add_argument("--no_constraints", action="store_true",
                    help="without the towers' activation sharding constraints, as the trainer lowered its "
-                        "step before 2026-11-26 (see compile_report)")
+                        "step before it passed the sharding rules (see compile_report)")
     p.add_argument("--extrapolate_depth", action="store_true",
                    help="compile two shallower copies of the model and extrapolate to its depth (for "
                         "machines without the ~18 GB (B/16) to ~40 GB of host memory a full compile takes)")

@@ -25,8 +25,8 @@ XLA_LEVERS = {
     "xla:latency_hiding_scheduler": "--xla_gpu_enable_latency_hiding_scheduler=true",
     "xla:no_command_buffers": "--xla_gpu_enable_command_buffer=",
     "xla:no_triton_gemm": "--xla_gpu_enable_triton_gemm=false",
-    # The 2026-11-24 H100 profile: XLA merges the full and masked image forward's dots that share
-    # a weight by concatenating their activations (a [55456, 3072] copy per MLP, ~8 ms a step).
+    # In the GPU profile XLA merges the full and masked image forward's dots that share a weight
+    # by concatenating their activations (a [55456, 3072] copy per MLP; docs/performance.md).
     "xla:no_dot_merger": "--xla_gpu_dot_merger_threshold_mb=0",
 }
 

@@ -11,11 +11,12 @@ compile cache (`profile_breakdown.py` -> breakdown.txt); then the baseline, all 
 PyTorch at 512. Each JAX row is `benchmarks/benchmark_step.py` (train state, compile, a warm-up
 step, `--steps` timed steps); every process ends by `--deadline` (one that would start in its
 last 15 s is recorded as not run), and `--only` picks rows (by name, e.g. `--only flat_tokens
-cast_once`) for a second call. On an H100 a JAX row takes ~80 s (a minute of it the compile) and the PyTorch
-step ~150 s (its torch.compile), so one 9-minute call holds about five rows.
+cast_once`) for a second call. A JAX row is mostly its compile and the PyTorch row mostly its
+torch.compile warm-up, so a 9-minute call holds a handful of rows (docs/performance.md).
 
-Compiling every row at once first (16 CPU cores) was tried on 2026-11-26: eight B/16 compiles
-together had not finished after 270 s, one alone takes 51 s (docs/performance.md).
+The rows run one after another because compiling every row at once first, side by side on the
+host's cores, was far slower than the compiles one at a time and left the PyTorch warm-ups short
+of GPU memory (docs/performance_history.md, "GPU (H100): the speed levers beside PyTorch").
 Writes OUT/speed.json, OUT/speed.md, OUT/log.txt, OUT/breakdown.txt and OUT/profile.tar.gz.
 `--tiny`: the same plan at test size on CPU.
 """
@@ -33,16 +34,16 @@ from gpu_plan import REPO, XLA_LEVERS, Runner
 
 # name -> (benchmark_step --set overrides, extra XLA_FLAGS). Each lever computes the same step
 # (tests/test_speed_levers.py); no_dot_merger stops XLA merging the full and the masked forward's
-# dots that share a weight by concatenating their activations (docs/gpu_results/2026-11-24-h100);
-# no_triton_gemm leaves every GEMM to cuBLAS instead of autotuning Triton GEMMs beside it: with
-# the four others, 2,093 -> 2,139 samples/s and compile 73 -> 55 s (docs/gpu_results/2026-11-27b-h100).
+# dots that share a weight by concatenating their activations; no_triton_gemm leaves every GEMM
+# to cuBLAS instead of autotuning Triton GEMMs beside it. What each removes and gave:
+# docs/performance.md, "Levers and defaults".
 LEVERS = {
     "no_dot_merger": ((), XLA_LEVERS["xla:no_dot_merger"]),
     "no_triton_gemm": ((), XLA_LEVERS["xla:no_triton_gemm"]),
     "flat_tokens": (("model.flat_tokens=true",), ""),
     "fused_guard": (("step.finite_guard=fused",), ""),
     "cast_once": (("step.cast_params_once=true",), ""),
-    # Prepared from the 2026-11-27b profile, not yet measured: models/transformer.py layer_norm.
+    # Prepared from the GPU profile, not yet measured: models/transformer.py layer_norm.
     "ln_saved_stats": (("model.ln_saved_stats=true",), ""),
 }
 

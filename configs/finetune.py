@@ -39,7 +39,8 @@ batch of 16,384), FSDP over all chips, scanned blocks, remat `dots_no_batch`, co
 depth (benchmarks/compile_tpu.py --topology v5p-128 --config configs/finetune.py:recipe=NAME):
 56.0 / 66.6 / 75.5 GiB of HBM per chip of 95.7. On a v4-256 (128 chips, 30.75 GiB each) add
 --config.model.remat=full: 6.6 / 7.7 / 10.2 GiB (dots_no_batch leaves L/16 under 10% free and
-does not fit the others). docs/performance.md has every row and its command.
+does not fit the others). docs/performance.md, "TPU pods, compiled ahead of time", has the rows
+and their commands.
 
 GPU cluster (SLURM) or TPU pod, from the repository root (settings: --help, docs/launch.md):
     CONFIG=configs/finetune.py:recipe=siglip_l16 bash scripts/launch_slurm.sh submit

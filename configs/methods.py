@@ -42,8 +42,8 @@ log sigma^2), so every run is evaluated by the same evaluators.
 
 Hardware and time: one CPU device, as configs/demo.py (about 13 min for ProLIP's 6,000 steps
 plus evaluation on 2 vCPUs; the other objectives' times differ and were not recorded;
-`steps=3000` halves the training). docs/methods.md's per-method table was made with the demo
-recipe of 2026-11-23/24 (5,000 steps, captions weighted 1:1:2:4).
+`steps=3000` halves the training). docs/methods.md's per-method table was made with an earlier
+demo recipe (5,000 steps, captions weighted 1:1:2:4).
 """
 import importlib.util
 import math

@@ -24,8 +24,8 @@ the flags); for another tokenizer pass `--config.masking.mask_token_id=...` and
 
 Config args (`--config configs/own_data.py:size=small,steps=20000`):
     size=tiny    (default) the `tiny` variant: 32 px, patch 8, width 64, 2+2 layers, embed 64;
-                 vocab <= 1,000, context 16. Batch 128: 0.18 s per step on 2 idle CPU cores
-                 (0.3-0.5 s on busy ones), so the default 5,000 steps take 15-40 min.
+                 vocab <= 1,000, context 16, batch 128. Expected time for the default
+                 5,000 steps: 15 min on 2 idle CPU cores, up to 40 min on busy ones.
     size=small   configs/models/own_data_small.json: 64 px, patch 8, width 256, 6+6 layers,
                  embed 256; vocab <= 8,000, context 32. Batch 256, 20,000 steps: a GPU job
                  (raise --config.data.num_workers there; its speed and loss curve were not

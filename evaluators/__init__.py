@@ -29,8 +29,8 @@ class Evaluator(Protocol):
 
 # "module:class", imported by `get` when a config names it (big_vision's evaluators are loaded
 # the same way): a training run loads only the evaluators it uses, not all of them and their
-# dependencies (scipy, the caption metrics): `import prolip_jax.train` 2.45 -> 1.9 CPU s
-# (docs/performance.md, "The eighth session").
+# dependencies (scipy, the caption metrics), which cost every trainer process start-up time
+# (docs/performance.md, "Levers and defaults").
 # A class may stand in for a string (tests register stand-ins).
 REGISTRY: dict[str, str | type] = {
     "zeroshot": "evaluators.zeroshot:Evaluator",

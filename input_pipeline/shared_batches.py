@@ -3,12 +3,13 @@
 grain's mp_prefetch sends each batch's arrays in a new shared-memory segment that the main
 process unlinks when it lets go of the array. A new segment is fresh memory: every 4 KB page of
 it is faulted in and zeroed by the kernel (and, in a VM that hands freed memory back, by the
-host): 3.5-3.8 us per page measured on the project's 2-vCPU VM, ~130 us per 224 px image, ~5% of
-a worker's time per image (`benchmarks/benchmark_input.py`; 0.1 us per page for a reused buffer).
+host), a few percent of a worker's time per image where a reused buffer's pages cost next to
+nothing (`benchmarks/benchmark_input.py`; the figures: docs/performance.md, "Input pipeline
+against a bare PIL loop").
 
 So each worker keeps a ring of segments and writes every batch's images into a free slot
 (`ImageRing.take`); what crosses grain's queue is a small `SharedImages` descriptor. The main
-process (`Receiver`) copies the images out (~9 us per image, into memory malloc reuses) and marks
+process (`Receiver`) copies the images out (a small cost, into memory malloc reuses) and marks
 the slot free in the ring's flag segment. The copy is what makes reuse safe: the trainer may keep
 a batch alive for as long as it likes (and jax on CPU may alias a numpy array rather than copy it),
 so the main process never hands out a view of a slot. A worker that finds no free slot (the main
@@ -39,7 +40,7 @@ _FREE, _BUSY = 0, 1
 
 def prefault(array: np.ndarray) -> np.ndarray:
     """Maps in all pages of a fresh shared-memory array in one madvise call rather than one fault
-    per 4 KB page on first write (~125 -> ~100 us of system time per 224 px image). Without the
+    per 4 KB page on first write (less system time per image; docs/performance.md). Without the
     call (not Linux, an older kernel) the pages fault in on first write; the contents are the
     same."""
     global _madvise

@@ -46,7 +46,8 @@ CONFIG = "config"
 
 # Orbax splits the save of a replicated array across its replicas, each writing a slice it cuts
 # with an eager `lax.slice`: one small XLA compile per array shape and device at the first save
-# (96 for the micro model's parameters on 8 devices, ~4 s on CPU). Below 1 MiB a slice saves
+# (96 for the micro model's parameters on 8 devices, seconds of a first save on the CPU;
+# docs/performance.md, "Levers and defaults"). Below 1 MiB a slice saves
 # nothing worth that: one replica writes the array whole, as orbax does on GPU anyway
 # (orbax/checkpoint/_src/serialization/jax_array_handlers.py). The arrays are the same, only
 # their files' chunks differ; either reads back. orbax 0.12 has no public setter for the knob.

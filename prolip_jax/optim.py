@@ -639,7 +639,7 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, params: Any = None,
                    step: int = 0) -> tuple[optax.GradientTransformation, Callable]:
     """(optax transformation, lr schedule) from `config.optim` (see configs/ and the module docstring).
 
-    Without fine-tuning controls this is today's chain (clip?, adam, masked decay, lr schedule; same
+    Without fine-tuning controls this is the plain chain (clip?, adam, masked decay, lr schedule; same
     state layout). With them, `params` (arrays or `jax.eval_shape` shapes) is needed and the chain is
         clip_by_global_norm?                         (over all gradients; locked ones are zero)
         partition {adam, adam_unlocked: scale_by_adam, locked: set_to_zero}   <- the only state
@@ -655,22 +655,14 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, params: Any = None,
     parts = []
     if cfg.clip_norm:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))
-    adamp = cfg.name == "adamp"
-
-    def adam(weight_decay: float | Callable = 0.0) -> optax.GradientTransformation:
-        if adamp:  # torch's AdamP defaults are (0.9, 0.999), 1e-8; the config's values are used
-            return scale_by_adamp(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, delta=cfg.adamp_delta,
-                                  wd_ratio=cfg.adamp_wd_ratio, nesterov=cfg.adamp_nesterov, weight_decay=weight_decay)
-        return optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
-
     averaging = [swa(cfg.swa_start_step, cfg.swa_every_steps)] if cfg.swa_every_steps else []
     if not cfg.finetuning:
         wd = cfg.weight_decay
-        if adamp:
-            parts += [adam(lambda path, x: wd if _decays(path, x) else 0.0)]
+        if cfg.name == "adamp":
+            parts += [_adam(cfg, lambda path, x: wd if _decays(path, x) else 0.0)]
         else:
             # Decoupled decay as torch.optim.AdamW: p -= lr * wd * p (the mask is static, by name).
-            parts += [adam(), optax.add_decayed_weights(wd, mask=decay_mask)]
+            parts += [_adam(cfg), optax.add_decayed_weights(wd, mask=decay_mask)]
         parts += [optax.scale_by_learning_rate(schedule), *averaging]
         return optax.chain(*parts), schedule
     if params is None:
@@ -678,7 +670,25 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, params: Any = None,
                          "make_optimizer(config, total_steps, params)")
     for i, g in enumerate(cfg.groups):
         _check_matches(g["pattern"], param_paths(params), f"optim.groups[{i}]")
+    if cfg.unlock_warmup_steps and cfg.unlock_warmup_form == "loss":  # the code of PCME++ / VSE∞
+        parts.insert(0, scale_by_loss_ramp(cfg.unlock_step, cfg.unlock_warmup_steps))  # in every phase: same layout
+    return optax.chain(*parts, *_finetuning_stages(cfg, schedule, params, step), *averaging), schedule
 
+
+def _adam(cfg: OptimConfig, weight_decay: float | Callable = 0.0) -> optax.GradientTransformation:
+    """The Adam stage: optax's scale_by_adam, or scale_by_adamp (optim.name "adamp") with the
+    weight decay inside it (AdamP scales it by wd_ratio where it projects)."""
+    if cfg.name == "adamp":  # torch's AdamP defaults are (0.9, 0.999), 1e-8; the config's values are used
+        return scale_by_adamp(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, delta=cfg.adamp_delta,
+                              wd_ratio=cfg.adamp_wd_ratio, nesterov=cfg.adamp_nesterov, weight_decay=weight_decay)
+    return optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+
+
+def _finetuning_stages(cfg: OptimConfig, schedule: Callable, params: Any,
+                       step: int) -> list[optax.GradientTransformation]:
+    """make_optimizer's chain after clipping when fine-tuning controls are set: the Adam partition,
+    the per-group scale partition and the lr stage, for the phase of global step `step`."""
+    adamp = cfg.name == "adamp"
     paths = param_paths(params)
     trainable = jax.tree.leaves(trainable_mask(params, cfg, step))
     # Adam state per partition: a parameter unlocked later gets its own Adam count, from 0.
@@ -697,25 +707,21 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, params: Any = None,
 
     treedef = jax.tree.structure(params)
     wd_of = dict(zip(paths, decays))
-    adam_tx = {ADAM: adam(lambda path, _: wd_of[path]), ADAM_UNLOCKED: adam(lambda path, _: wd_of[path]),
+    adam_tx = {ADAM: _adam(cfg, lambda path, _: wd_of[path]), ADAM_UNLOCKED: _adam(cfg, lambda path, _: wd_of[path]),
                LOCKED: optax.set_to_zero()}
     scale_tx = {f"scale{k}": scaling(*s) for k, s in enumerate(distinct)} | {LOCKED: optax.set_to_zero()}
     unlocked = frozenset(p for p, label in zip(paths, adam_labels) if label == ADAM_UNLOCKED)
-    if cfg.unlock_warmup_steps and cfg.unlock_warmup_form == "loss":  # the code of PCME++ / VSE∞
-        parts.insert(0, scale_by_loss_ramp(cfg.unlock_step, cfg.unlock_warmup_steps))  # in every phase: same layout
     if cfg.unlock_warmup_steps and unlocked and cfg.unlock_warmup_form == "lr":  # PCME++ App. B.2's words
         lr_stage = _scale_by_lr_with_ramp(schedule, unlocked, cfg.unlock_step, cfg.unlock_warmup_steps)
     else:
         lr_stage = optax.scale_by_learning_rate(schedule)
-    parts += [
+    return [
         optax.multi_transform({k: v for k, v in adam_tx.items() if k in adam_labels},
                               jax.tree.unflatten(treedef, adam_labels)),
         optax.multi_transform({k: v for k, v in scale_tx.items() if k in scale_labels},
                               jax.tree.unflatten(treedef, scale_labels)),
         lr_stage,
-        *averaging,
     ]
-    return optax.chain(*parts), schedule
 
 
 # ------------------------------------------------------------------ state utilities

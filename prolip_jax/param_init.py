@@ -1,12 +1,12 @@
 """Creating a model's parameters without compiling one program per parameter.
 
 `jax.jit(model.init)` compiles every parameter's random draw into one program: B/16's ~400
-draws are ~400 kernels, 12-14 s of compile on a 2-core CPU and most of the 88 s its train state
-took from an empty compile cache on an H100 (docs/performance.md, "GPU (H100): the levers and
-PyTorch again"). The draws repeat a handful of computations (every block's kernels share a shape
-and an initialiser), so here each parameter is drawn by a small jitted program shared by every
-parameter that computes the same thing (23 programs for B/16), compiled in parallel, then called
-once per parameter: the same values bit for bit (tests/test_param_init.py), in ~5 s on the CPU.
+draws are ~400 kernels, whose compile was most of the train state's start-up time on the CPU and
+on the GPU (docs/performance.md, "Start-up: train state and first step"). The draws repeat a
+handful of computations (every block's kernels share a shape and an initialiser), so here each
+parameter is drawn by a small jitted program shared by every parameter that computes the same
+thing (23 programs for B/16), compiled in parallel, then called once per parameter: the same
+values bit for bit (tests/test_param_init.py), in a fraction of the time.
 
 The key of each parameter is Flax's own: `Scope.make_rng('params')` folds the SHA-1 of the
 scope path and a counter into the root key (flax/core/scope.py `LazyRng`, `_fold_in_static`).
@@ -31,9 +31,10 @@ import jax
 import numpy as np
 
 
-# On XLA:CPU the draws compile in 1.5 s instead of 2.9 s for B/16 at LLVM -O1 with the older fusion
-# emitters, and give the same bits as at XLA's defaults (tests/test_param_init.py). -O0 would not:
-# without FMA contraction the truncated normal's last bit differs. Where XLA_FLAGS sets either
+# On XLA:CPU the draws compile about twice as fast at LLVM -O1 with the older fusion emitters
+# (docs/performance.md, "Levers and defaults"), and give the same bits as at XLA's defaults
+# (tests/test_param_init.py). -O0 would not: without FMA contraction the truncated normal's last
+# bit differs. Where XLA_FLAGS sets either
 # option (the test suite compiles at -O0), the draws keep the process's setting, so that they give
 # what `jax.jit(model.init)` gives in that process.
 CPU_COMPILE_OPTIONS = {"xla_backend_optimization_level": 1, "xla_cpu_use_fusion_emitters": False}

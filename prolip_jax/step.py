@@ -56,7 +56,7 @@ def all_finite(tree: Any, fused: bool = False) -> jax.Array:
     boolean reduction per leaf; x * 0 is 0 for finite x and NaN for an inf or NaN, so the sum is
     finite exactly when every leaf is, and cannot overflow. A float sum is what XLA can fold into
     the kernel that writes the leaf (the optimiser update), where ~400 boolean reductions were
-    400 kernels of their own on the GPU (docs/gpu_results/2026-11-24-h100/breakdown.txt)."""
+    400 kernels of their own in the GPU profile (docs/performance.md, "Levers and defaults")."""
     floats = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
     if not floats:
         return jnp.array(True)
@@ -267,6 +267,133 @@ def check_batch_layout(global_batch: int, n_shards: int, cfg: StepConfig) -> Non
 
 
 # ---------------------------------------------------------------------------- the step
+@dataclasses.dataclass(frozen=True)
+class _Forward:
+    """What the step differentiates: the towers' features and the objective's loss on them.
+
+    The gradient functions below take it rather than closing over `make_train_step`'s locals, so
+    each reads on its own; it holds only static settings (and the masked rows' indices)."""
+    model: ProLIP
+    cfg: StepConfig
+    mesh: Mesh
+    masked_rows: jax.Array  # int [global_batch / group * masked_group_rows]: the masked sub-batch's rows
+
+    @property
+    def m_group(self) -> int:
+        return self.cfg.masked_group_rows  # 0 unless the objective uses ProLIP's masked forward
+
+    def compute(self, params: Any) -> Any:
+        """The params the forwards read: the kernels cast once (StepOptions.cast_params_once) or as is."""
+        return compute_copy(params, self.model.dtype) if self.cfg.options.cast_params_once else params
+
+    def features(self, params, images, tokens, keep_idx=None, rng=None):
+        # SizeAugment (PCME++ §2.4, PCME++) is the only training-time randomness in the towers: its
+        # key is per step and per microbatch, so gradient caching's re-run sees the same dropped tokens.
+        vision, text = self.model.config.vision, self.model.config.text
+        train = {"train": True, "rngs": {"augment": rng}} if (vision.size_augment or text.size_augment) else {}
+        out = self.model.apply({"params": params}, images, tokens, image_keep_idx=keep_idx, **train)
+        return {key: out[key] for key in FEATURES}
+
+    def loss(self, feats, mfeats, logit_scale, logit_bias, ctx):
+        """ctx: what the objective reads besides features: tokens, targets, rng (no gradient)."""
+        objective = self.cfg.module
+        out = {**feats, "logit_scale": jnp.exp(logit_scale), "logit_bias": logit_bias, "text": ctx["text"]}
+        extra = {"step": ctx["step"]} if getattr(objective, "USES_STEP", False) else {}
+        return objective.loss(out, self.cfg.loss_config, targets=ctx["targets"], masked=mfeats,
+                              masked_rows=self.masked_rows if self.m_group else None, rng=ctx["rng"],
+                              mesh=self.mesh, **extra)
+
+
+# Differentiating only w.r.t. the trainable leaves (optim.partition: None where the other part
+# holds the leaf) is what keeps a locked tower from costing its weight-gradient matmuls; both
+# gradient functions take (train, frozen) and join them inside the differentiated function.
+def _grads_one_batch(fw: _Forward, train, frozen, images, tokens, m_images, m_tokens, keep_idx, ctx):
+    """(loss, terms, features, grads of `train`) of the whole batch in one forward and backward."""
+    rng_full, rng_masked = jax.random.split(ctx["rng_augment"])
+
+    def total(t):
+        p = fw.compute(optim.combine(t, frozen))
+        f = fw.features(p, images, tokens, rng=rng_full)
+        mf = fw.features(p, m_images, m_tokens, keep_idx, rng_masked) if fw.m_group else None
+        loss, terms = fw.loss(f, mf, p["logit_scale"], p["logit_bias"], ctx)
+        return loss, (terms, f)
+    (loss, (terms, f)), grads = jax.value_and_grad(total, has_aux=True)(train)
+    return loss, terms, f, grads
+
+
+def _grads_cached(fw: _Forward, n_shards: int, k: int, train, frozen, images, tokens, m_images, m_tokens,
+                  keep_idx, ctx):
+    """_grads_one_batch's result by gradient caching over k microbatches (the module docstring):
+    features first, the loss's gradient w.r.t. them, then each microbatch's forward re-run and
+    pulled back to the parameters."""
+    params = fw.compute(optim.combine(train, frozen))
+    split_mb = lambda x: split_microbatches(x, n_shards, k)  # noqa: E731
+    merge_mb = lambda x: merge_microbatches(x, n_shards)  # noqa: E731
+    rng_full, rng_masked = (jax.random.split(r, k) for r in jax.random.split(ctx["rng_augment"]))
+    chunks = (split_mb(images), split_mb(tokens), rng_full)
+    f = jax.tree.map(merge_mb, jax.lax.map(lambda xs: fw.features(params, *xs[:2], rng=xs[2]), chunks))
+    if fw.m_group:
+        m_chunks = (split_mb(m_images), split_mb(m_tokens), rng_masked)
+        mf = jax.tree.map(merge_mb, jax.lax.map(lambda xs: fw.features(params, *xs[:2], keep_idx, xs[2]), m_chunks))
+    else:
+        mf = None
+    (loss, terms), (g_f, g_mf, g_scale, g_bias) = jax.value_and_grad(
+        fw.loss, argnums=(0, 1, 2, 3), has_aux=True)(f, mf, params["logit_scale"], params["logit_bias"], ctx)
+
+    def pull_back(acc, xs, keep=None):
+        imgs, toks, rng, g = xs
+        _, vjp = jax.vjp(lambda t: fw.features(fw.compute(optim.combine(t, frozen)), imgs, toks, keep, rng), train)
+        return jax.tree.map(jnp.add, acc, vjp(g)[0]), None
+
+    grads = jax.tree.map(jnp.zeros_like, train)
+    grads, _ = jax.lax.scan(pull_back, grads, (*chunks, jax.tree.map(split_mb, g_f)))
+    if fw.m_group:
+        grads, _ = jax.lax.scan(lambda a, xs: pull_back(a, xs, keep_idx), grads,
+                                (*m_chunks, jax.tree.map(split_mb, g_mf)))
+    for name, g_direct in (("logit_scale", g_scale), ("logit_bias", g_bias)):
+        if grads[name] is not None:  # None: locked
+            grads = {**grads, name: grads[name] + g_direct}
+    return loss, terms, f, grads
+
+
+def _step_inputs(cfg: StepConfig, num_patches: int, state: TrainState, batch: dict):
+    """(images, tokens, masked images, masked tokens, kept patch indices, ctx) of one step: the
+    batch normalised and mixed (targets), the masked sub-batch and the step's random keys."""
+    images, tokens = batch["image"], batch["text"]
+    if images.dtype == jnp.uint8:
+        images = normalize_on_device(images, cfg.normalization)
+    rng_step = jax.random.fold_in(jax.random.key(cfg.seed), state.step)
+    rng_img, rng_txt, rng_mix, rng_loss = jax.random.split(rng_step, 4)
+    rng_aug = jax.random.fold_in(rng_step, 1)  # apart from the split: earlier draws unchanged
+    images, targets = batch_targets(rng_mix, images, tokens, batch.get("image_id"), cfg.targets)
+    ctx = {"text": tokens, "targets": targets, "rng": rng_loss, "rng_augment": rng_aug, "step": state.step}
+    mk, g, m_group = cfg.masking, cfg.masking.group, cfg.masked_group_rows
+    m_images = group_rows(images, g, m_group)
+    m_tokens = mask_text_tokens(rng_txt, group_rows(tokens, g, m_group), mk.mask_token_id,
+                                mk.text_mask_prob, mk.protected_ids)
+    # One subset of patches shared by the masked sub-batch, as the reference draws it.
+    keep_idx = jnp.sort(jax.random.permutation(rng_img, num_patches)[
+        :num_kept_patches(num_patches, mk.image_keep_ratio)])
+    return images, tokens, m_images, m_tokens, keep_idx, ctx
+
+
+def _update_if_finite(state: TrainState, grads: Any, loss: jax.Array, tx: optax.GradientTransformation,
+                      fused: bool) -> tuple[TrainState, jax.Array]:
+    """(the next state, finite): the update applied and logit_scale clamped, or, where the loss,
+    gradients, new params or new optimiser state are not finite, the old params and state kept."""
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = clamp_logit_scale(optax.apply_updates(state.params, updates))
+    finite = (jnp.isfinite(loss) & all_finite(grads, fused) & all_finite(params, fused)
+              & all_finite(opt_state, fused))
+    # One conditional, not a `jnp.where(finite, ...)` per leaf: XLA:CPU fuses the whole
+    # `finite` reduction (an `and` per leaf) into every leaf's select, a program quadratic in
+    # the number of leaves (the small model's step: 143 MB of HLO, minutes to compile).
+    params, opt_state = jax.lax.cond(finite, lambda: (params, opt_state),
+                                     lambda: (state.params, state.opt_state))
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                      skipped=state.skipped + (~finite).astype(jnp.int32)), finite
+
+
 def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: Callable, cfg: StepConfig,
                     mesh: Mesh, global_batch: int, trainable: Any = None, rules: Any = None
                     ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
@@ -279,120 +406,26 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
     rules: the logical-axis rules of the parameters (`config.sharding_rules`), under which the
     towers' activation constraints (`nn.with_logical_constraint` on the residual stream) lay the
     activations out on `mesh` too; None leaves them no-ops and XLA to choose. With FSDP, the
-    scanned large towers fit only with them: H/14 at batch 16,384 on a v5p-128 needs 20 GiB per
-    chip with them and ~330 GiB without (docs/performance.md).
+    scanned large towers fit only with them: without, sharding propagation replicates the scanned
+    residual stream and L/16 at the paper's batch asks ~27x the HBM per chip (docs/performance.md,
+    "TPU pods, compiled ahead of time").
     """
     n_shards = sharding.num_batch_shards(mesh)
     check_batch_layout(global_batch, n_shards, cfg)
-    g = cfg.masking.group
-    m_group = cfg.masked_group_rows  # 0 unless the objective uses ProLIP's masked forward
-    objective, loss_cfg = cfg.module, cfg.loss_config
-    uses_step = getattr(objective, "USES_STEP", False)
-    k = cfg.microbatches
-    num_patches = model.config.vision.num_patches
+    g, m_group = cfg.masking.group, cfg.masked_group_rows
     masked_rows = (jnp.arange(global_batch // g)[:, None] * g + jnp.arange(m_group)[None]).reshape(-1)
-    # Differentiating only w.r.t. the trainable leaves (optim.partition: None where the other
-    # part holds the leaf) is what keeps a locked tower from costing its weight-gradient matmuls.
-    join = optim.combine
-
-    # SizeAugment (PCME++ §2.4, PCME++) is the only training-time randomness in the towers: its
-    # key is per step and per microbatch, so gradient caching's re-run sees the same dropped tokens.
-    augment = bool(model.config.vision.size_augment or model.config.text.size_augment)
-
-    def features(params, images, tokens, keep_idx=None, rng=None):
-        train = {"train": True, "rngs": {"augment": rng}} if augment else {}
-        out = model.apply({"params": params}, images, tokens, image_keep_idx=keep_idx, **train)
-        return {key: out[key] for key in FEATURES}
-
-    def loss_from_features(feats, mfeats, logit_scale, logit_bias, ctx):
-        """ctx: what the objective reads besides features: tokens, targets, rng (no gradient)."""
-        out = {**feats, "logit_scale": jnp.exp(logit_scale), "logit_bias": logit_bias, "text": ctx["text"]}
-        extra = {"step": ctx["step"]} if uses_step else {}
-        return objective.loss(out, loss_cfg, targets=ctx["targets"], masked=mfeats,
-                              masked_rows=masked_rows if m_group else None, rng=ctx["rng"], mesh=mesh,
-                              **extra)
-
-    opts = cfg.options
-    compute = (lambda p: compute_copy(p, model.dtype)) if opts.cast_params_once else (lambda p: p)  # noqa: E731
-
-    def grads_one_batch(train, frozen, images, tokens, m_images, m_tokens, keep_idx, ctx):
-        rng_full, rng_masked = jax.random.split(ctx["rng_augment"])
-
-        def total(t):
-            p = compute(join(t, frozen))
-            f = features(p, images, tokens, rng=rng_full)
-            mf = features(p, m_images, m_tokens, keep_idx, rng_masked) if m_group else None
-            loss, terms = loss_from_features(f, mf, p["logit_scale"], p["logit_bias"], ctx)
-            return loss, (terms, f)
-        (loss, (terms, f)), grads = jax.value_and_grad(total, has_aux=True)(train)
-        return loss, terms, f, grads
-
-    def grads_cached(train, frozen, images, tokens, m_images, m_tokens, keep_idx, ctx):
-        params = compute(join(train, frozen))
-        split_mb = lambda x: split_microbatches(x, n_shards, k)  # noqa: E731
-        merge_mb = lambda x: merge_microbatches(x, n_shards)  # noqa: E731
-        rng_full, rng_masked = (jax.random.split(r, k) for r in jax.random.split(ctx["rng_augment"]))
-        chunks = (split_mb(images), split_mb(tokens), rng_full)
-        f = jax.tree.map(merge_mb, jax.lax.map(lambda xs: features(params, *xs[:2], rng=xs[2]), chunks))
-        if m_group:
-            m_chunks = (split_mb(m_images), split_mb(m_tokens), rng_masked)
-            mf = jax.tree.map(merge_mb, jax.lax.map(lambda xs: features(params, *xs[:2], keep_idx, xs[2]), m_chunks))
-        else:
-            mf = None
-        (loss, terms), (g_f, g_mf, g_scale, g_bias) = jax.value_and_grad(
-            loss_from_features, argnums=(0, 1, 2, 3), has_aux=True)(f, mf, params["logit_scale"],
-                                                                    params["logit_bias"], ctx)
-
-        def pull_back(acc, xs, keep=None):
-            imgs, toks, rng, g = xs
-            _, vjp = jax.vjp(lambda t: features(compute(join(t, frozen)), imgs, toks, keep, rng), train)
-            return jax.tree.map(jnp.add, acc, vjp(g)[0]), None
-
-        grads = jax.tree.map(jnp.zeros_like, train)
-        grads, _ = jax.lax.scan(pull_back, grads, (*chunks, jax.tree.map(split_mb, g_f)))
-        if m_group:
-            grads, _ = jax.lax.scan(lambda a, xs: pull_back(a, xs, keep_idx), grads,
-                                    (*m_chunks, jax.tree.map(split_mb, g_mf)))
-        for name, g_direct in (("logit_scale", g_scale), ("logit_bias", g_bias)):
-            if grads[name] is not None:  # None: locked
-                grads = {**grads, name: grads[name] + g_direct}
-        return loss, terms, f, grads
+    fw = _Forward(model, cfg, mesh, masked_rows)
+    k = cfg.microbatches
+    grad_fn = functools.partial(_grads_one_batch, fw) if k == 1 else functools.partial(_grads_cached, fw, n_shards, k)
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        images, tokens = batch["image"], batch["text"]
-        if images.dtype == jnp.uint8:
-            images = normalize_on_device(images, cfg.normalization)
-        rng_step = jax.random.fold_in(jax.random.key(cfg.seed), state.step)
-        rng_img, rng_txt, rng_mix, rng_loss = jax.random.split(rng_step, 4)
-        rng_aug = jax.random.fold_in(rng_step, 1)  # apart from the split: earlier draws unchanged
-        images, targets = batch_targets(rng_mix, images, tokens, batch.get("image_id"), cfg.targets)
-        ctx = {"text": tokens, "targets": targets, "rng": rng_loss, "rng_augment": rng_aug,
-               "step": state.step}
-        mk = cfg.masking
-        m_images = group_rows(images, g, m_group)
-        m_tokens = mask_text_tokens(rng_txt, group_rows(tokens, g, m_group), mk.mask_token_id,
-                                    mk.text_mask_prob, mk.protected_ids)
-        # One subset of patches shared by the masked sub-batch, as the reference draws it.
-        keep_idx = jnp.sort(jax.random.permutation(rng_img, num_patches)[
-            :num_kept_patches(num_patches, mk.image_keep_ratio)])
-        grad_fn = grads_one_batch if k == 1 else grads_cached
+        images, tokens, m_images, m_tokens, keep_idx, ctx = _step_inputs(
+            cfg, model.config.vision.num_patches, state, batch)
         mask = jax.tree.map(lambda _: True, state.params) if trainable is None else trainable
         train, frozen = optim.partition(state.params, mask)
         loss, terms, f, grads = grad_fn(train, frozen, images, tokens, m_images, m_tokens, keep_idx, ctx)
-        grads = join(grads, jax.tree.map(jnp.zeros_like, frozen))
-
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = clamp_logit_scale(optax.apply_updates(state.params, updates))
-        fused = opts.finite_guard == "fused"
-        finite = (jnp.isfinite(loss) & all_finite(grads, fused) & all_finite(params, fused)
-                  & all_finite(opt_state, fused))
-        # One conditional, not a `jnp.where(finite, ...)` per leaf: XLA:CPU fuses the whole
-        # `finite` reduction (an `and` per leaf) into every leaf's select, a program quadratic in
-        # the number of leaves (the small model's step: 143 MB of HLO, 4 minutes to compile).
-        params, opt_state = jax.lax.cond(finite, lambda: (params, opt_state),
-                                         lambda: (state.params, state.opt_state))
-        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                               skipped=state.skipped + (~finite).astype(jnp.int32))
+        grads = optim.combine(grads, jax.tree.map(jnp.zeros_like, frozen))
+        new_state, finite = _update_if_finite(state, grads, loss, tx, cfg.options.finite_guard == "fused")
         metrics = {
             "loss": loss, **{f"loss/{name}": v for name, v in terms.items()},
             "a": jnp.exp(state.params["logit_scale"]), "b": state.params["logit_bias"],
@@ -402,14 +435,16 @@ def make_train_step(model: ProLIP, tx: optax.GradientTransformation, schedule: C
         }
         return new_state, metrics
 
-    if rules is None:
-        return train_step
+    return train_step if rules is None else _under_rules(train_step, mesh, rules)
+
+
+def _under_rules(train_step: Callable, mesh: Mesh, rules: Any) -> Callable:
+    """train_step traced under the mesh (abstract: this runs inside jit) and the logical-axis
+    rules, so flax's logical constraints resolve to sharding constraints."""
     axis_rules = sharding.resolve_rules(rules)
 
     @functools.wraps(train_step)  # the compiled program keeps the name jit_train_step (profiles)
     def constrained_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        # Traced under the mesh (abstract: this runs inside jit) and the rules, so flax's
-        # logical constraints resolve to sharding constraints.
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(axis_rules):
             return train_step(state, batch)
 

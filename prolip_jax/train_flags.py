@@ -233,8 +233,8 @@ def exit_if_supervisor(argv: list[str]) -> None:
     --coordinator_address, or supervise.auto_distributed) this process becomes the supervisor of the
     trainer, run as its child with the same command, and exits with its code; a single process,
     or the child itself, returns and trains. Read from the raw argv (flag_value), so
-    that the supervisor never imports jax and the project (~2-3 s and a few hundred MB per
-    process); a command this misses (a flag file) is supervised by train.main after parsing."""
+    that the supervisor never imports jax and the project (seconds of start-up and a few hundred
+    MB per process); a command this misses (a flag file) is supervised by train.main after parsing."""
     if supervise.is_child() or not (flag_value(argv, "coordinator_address") or supervise.auto_distributed()):
         return
 

@@ -103,8 +103,8 @@ def dummy_inputs(config: ProLIPConfig, batch: int = 1) -> tuple[jax.Array, jax.A
 def abstract_params(config: ProLIPConfig, scan_layers: bool = False) -> dict:
     """Parameter shapes/dtypes without allocating (for counting and shape checks), in the
     unrolled or the scanned layout (models/layout.py). A deep model is traced scanned either way,
-    one block per tower whatever the depth (ViT-H/14's shapes in 0.16 s instead of 1.1 s on a
-    CPU), then unrolled by `to_layout`, its dicts' keys sorted as jax gives a traced tree's; up to
+    one block per tower whatever the depth (several times quicker for ViT-H/14; docs/performance.md),
+    then unrolled by `to_layout`, its dicts' keys sorted as jax gives a traced tree's; up to
     SCAN_TRACE_MIN_LAYERS - 1 blocks the unrolled trace is the quicker (nn.scan's own tracing
     costs about what four small blocks do)."""
     if scan_layers or max(config.vision.layers, config.text.layers) < SCAN_TRACE_MIN_LAYERS:

@@ -68,7 +68,7 @@ def gelu(x: jax.Array, act: str) -> jax.Array:
     if act == "gelu":
         # torch's nn.GELU() formula, x/2 (1 + erf(x/sqrt 2)): jax.nn.gelu(approximate=False) goes
         # through erfc, whose XLA:CPU expansion (exp + piecewise selects) makes the step slower
-        # (docs/performance.md); the two agree to float32 rounding.
+        # (docs/performance.md, "Levers and defaults"); the two agree to float32 rounding.
         return x * 0.5 * (1.0 + jax.lax.erf(x * SQRT_HALF))
     raise ValueError(f"unknown activation {act!r}; choose from {ACTIVATIONS}")
 
@@ -103,14 +103,14 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float, save
 
     Its backward is the closed form torch's LayerNorm kernel uses (two row means of the scaled
     gradient, the input's row statistics kept from the forward), where autodiff of the forward
-    gives XLA a longer chain of broadcasts and reductions: the small model's CPU step 1777 ->
-    1757 ms and 1932 -> 1881 ms in two alternating A/B runs (docs/performance.md).
+    gives XLA a longer chain of broadcasts and reductions, slower on the CPU (docs/performance.md,
+    "Levers and defaults").
 
     `saved_stats` (BlockLevers.ln_saved_stats, a GPU speed lever): the backward reads the row
-    statistics the forward saved instead of letting XLA recompute them. On an H100 XLA fused the
+    statistics the forward saved instead of letting XLA recompute them. On the GPU XLA fused the
     recomputation into a kernel that writes dy * xhat in float32 ([50688, 768] per image block)
     for the next kernel's column sum (the scale's gradient): a row reduction and a column
-    reduction cannot share a kernel (docs/gpu_results/2026-11-27b-h100, `ln_2/mul`). Behind an
+    reduction cannot share a kernel (the profile's `ln_2/mul`, docs/performance.md). Behind an
     optimization barrier the statistics are plain inputs, and the column sum can read dy and x."""
     return _layer_norm_fwd(x, scale, bias, eps, saved_stats)[0]
 
@@ -141,8 +141,8 @@ def on_platform(*args: jax.Array, cpu: Callable, default: Callable):
     platform is known: the abstract mesh the step is traced under (`step.make_train_step` with
     sharding rules; a TPU topology's mesh in benchmarks/compile_tpu.py on a CPU host) names its
     devices' platform. platform_dependent traces, and under autodiff differentiates, every
-    branch, then keeps one when lowering: deciding here skips the other (the micro train step's
-    tracing 2.0 -> 1.7 s on CPU, docs/performance.md). Where nothing names the platform (encoders traced
+    branch, then keeps one when lowering: deciding here skips the other's tracing
+    (docs/performance.md, "Levers and defaults"). Where nothing names the platform (encoders traced
     without a mesh, exports for several platforms) platform_dependent decides, as before."""
     device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
     platform = getattr(device, "platform", None)
@@ -160,9 +160,8 @@ def dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
     [N, out] stays as it is): XLA:CPU otherwise hands x^T dy (contraction over the leading,
     major axis of both) to Eigen, ~1.5x slower than YNNPACK's GEMM on these shapes, after
     transposing the *wider* operand (a [4224, 1024] MLP hidden per block of the small model).
-    `optimization_barrier` keeps XLA from folding the transposes back into the dot. Measured on
-    this 2-core CPU (docs/performance.md, "CPU train step beside PyTorch"): the small model's
-    step 1897 -> 1792 ms. GPU and TPU get the dot autodiff would emit."""
+    `optimization_barrier` keeps XLA from folding the transposes back into the dot (its gain:
+    docs/performance.md, "Levers and defaults"). GPU and TPU get the dot autodiff would emit."""
     return jnp.dot(x, kernel)
 
 
@@ -219,10 +218,8 @@ def attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax
 
     jax's einsums keep tokens before heads, and XLA:CPU transposes around each of the batched
     dots of the forward and backward pass; moving q, k, v to [B, N, T, H] once (and the output
-    back) leaves the dots in the layout YNNPACK takes as it is. One attention layer of the small
-    model (64 x 66 tokens, 4 heads of 64), forward + backward: 27.8 -> 20.8 ms (torch's SDPA
-    18.3 ms); the small model's step 1787 -> 1714 and 1928 -> 1898 ms in two alternating A/B
-    runs (docs/performance.md). GPU and TPU keep jax's own."""
+    back) leaves the dots in the layout YNNPACK takes as it is, close to torch's SDPA on the small
+    model's attention (docs/performance.md, "Levers and defaults"). GPU and TPU keep jax's own."""
     def heads_major(q, k, v):
         qt, kt, vt = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # [B, N, T, H]
         logits = jnp.einsum("bnth,bnsh->bnts", qt, kt).astype(jnp.float32) * (q.shape[-1] ** -0.5)
@@ -331,8 +328,8 @@ def residual_block(block: ResidualBlock, x: jax.Array) -> jax.Array:
     `levers.flat_tokens`: the block works on the tokens as one [B*T, D] matrix (attention alone sees
     [B, T, N, H]), the same arithmetic. A speed lever for GPUs: with [B, T, D] the weight
     gradients contract over two leading axes and XLA picked batch-minor layouts (bf16[198, 768,
-    256]) with transposes around LayerNorm, ~10 ms of the B/16 step on an H100
-    (docs/gpu_results/2026-11-24-h100/breakdown.txt); flat, every projection is a plain 2-D GEMM."""
+    256]) with transposes around LayerNorm, a visible share of the B/16 step's GPU profile
+    (docs/performance.md, "Levers and defaults"); flat, every projection is a plain 2-D GEMM."""
     shape = x.shape
     tokens = None
     if block.levers.flat_tokens:

@@ -68,10 +68,31 @@ class VisionTower(nn.Module):
         b, h, w, ch = images.shape
         if (h, w, ch) != (c.image_size, c.image_size, 3):
             raise ValueError(f"expected images [B, {c.image_size}, {c.image_size}, 3], got {images.shape}")
-        d, p, g = c.width, c.patch_size, c.grid
-        scale = d ** -0.5
+        # The helpers run in this order because flax draws each parameter's init key from a
+        # per-module counter: the order they create parameters in is the order of the values.
+        x = self._tokens(self._embed_patches(images), keep_idx)
+        if c.ln_pre:
+            x = LayerNorm(c.ln_eps, self.dtype, name="ln_pre")(x)
+        x, x_unc = self._encode(x)
+        proj = None
+        if c.proj:
+            proj = self.param("proj", nn.with_logical_partitioning(normal(c.width ** -0.5), ("embed", "proj")),
+                              (c.width, self.embed_dim)).astype(self.dtype)
+        ln_post = LayerNorm(c.ln_eps, self.dtype, name="ln_post")
+        if c.pool == "gpo":
+            return self._gpo(ln_post(x), x_unc, proj, train)
+        return self._pool_heads(x, x_unc, proj, ln_post)
 
-        # Patch embedding == Conv2d(3, d, k=p, s=p, bias=False), patches in raster (h, w) order.
+    def _block_args(self) -> tuple[str, dict]:
+        """(activation, initialisers) shared by the trunk, the uncertainty branch and the MAP head."""
+        c = self.config
+        return "quick_gelu" if self.quick_gelu else c.act, block_init(c.width, c.layers, c.mlp_dim, "torch")
+
+    def _embed_patches(self, images: jax.Array) -> jax.Array:
+        """images [B, H, W, 3] -> patch tokens [B, N, d]: Conv2d(3, d, k=p, s=p, bias=False), patches
+        in raster (h, w) order (SigLIP's patch_bias added)."""
+        c = self.config
+        b, d, p, g = images.shape[0], c.width, c.patch_size, c.grid
         kernel = self.param("patch_kernel", nn.with_logical_partitioning(
             uniform((3 * p * p) ** -0.5), (None, None, None, "embed")), (p, p, 3, d))
         x = images.astype(self.dtype).reshape(b, g, p, g, p, 3)
@@ -79,9 +100,15 @@ class VisionTower(nn.Module):
         if c.patch_bias:
             x = x + self.param("patch_bias", nn.with_logical_partitioning(
                 uniform((3 * p * p) ** -0.5), ("embed",)), (d,)).astype(self.dtype)
+        return x
 
-        unc_token = c.unc_token  # ProLIP's [UNC]
-        n_prefix = int(c.class_token) + int(unc_token)  # [CLS]? [UNC]? before the patches
+    def _tokens(self, x: jax.Array, keep_idx: jax.Array | None) -> jax.Array:
+        """Patch tokens [B, N, d] -> the encoder's input [B, prefix + K, d]: the kept patches
+        (keep_idx, or all), [CLS]? [UNC]? prepended, position embeddings added to match."""
+        c = self.config
+        b, d = x.shape[0], c.width
+        scale = d ** -0.5
+        n_prefix = int(c.class_token) + int(c.unc_token)  # [CLS]? [UNC]? (ProLIP's) before the patches
         pos = self.param("positional_embedding", nn.with_logical_partitioning(
             normal(scale), ("pos", "embed")), (c.num_patches + n_prefix, d)).astype(self.dtype)
         pos_special, pos_patches = pos[:n_prefix], pos[n_prefix:]
@@ -96,45 +123,44 @@ class VisionTower(nn.Module):
         special = []
         if c.class_token:
             special.append(self.param("class_embedding", nn.with_logical_partitioning(normal(scale), ("embed",)), (d,)))
-        if unc_token:
+        if c.unc_token:
             special.append(self.param("unc_embedding", nn.with_logical_partitioning(normal(scale), ("embed",)), (d,)))
         x = x + pos_patches
         if special:
             special = jnp.broadcast_to(jnp.stack(special).astype(self.dtype), (b, n_prefix, d))
             x = jnp.concatenate([special + pos_special, x], axis=1)
-        x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+        return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
-        if c.ln_pre:
-            x = LayerNorm(c.ln_eps, self.dtype, name="ln_pre")(x)
-        act = "quick_gelu" if self.quick_gelu else c.act
-        init = block_init(d, c.layers, c.mlp_dim, "torch")
-        encoder = Encoder(c.layers, c.heads, c.mlp_dim, c.ln_eps, act, init, self.dtype, self.attention_impl,
-                          self.remat, scan=self.scan_layers, levers=self.levers, name="transformer")
-        x_unc = None
-        if c.embed_unc and c.unc_head == "block":  # the stream splits after block L - n
-            x, x_fork = encoder(x, fork_after=c.layers - c.unc_layers)
-            x_unc = Encoder(c.unc_layers, c.heads, c.mlp_dim, c.ln_eps, act, init, self.dtype, self.attention_impl,
-                            self.remat, scan=self.scan_layers,
-                            levers=self.levers, name="unc_transformer")(x_fork)
-        else:
-            x = encoder(x)
-        proj = None
-        if c.proj:
-            proj = self.param("proj", nn.with_logical_partitioning(normal(scale), ("embed", "proj")),
-                              (d, self.embed_dim)).astype(self.dtype)
+    def _encode(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """(the trunk's output tokens, the uncertainty branch's tokens or None): unc_head "block"
+        forks the stream after block L - n into its own copy of the last n blocks."""
+        c = self.config
+        act, init = self._block_args()
+        encoder = Encoder(c.layers, c.heads, c.mlp_dim, c.ln_eps, act, init, self.dtype,
+                          self.attention_impl, self.remat, scan=self.scan_layers, levers=self.levers,
+                          name="transformer")
+        if not (c.embed_unc and c.unc_head == "block"):
+            return encoder(x), None
+        x, x_fork = encoder(x, fork_after=c.layers - c.unc_layers)
+        x_unc = Encoder(c.unc_layers, c.heads, c.mlp_dim, c.ln_eps, act, init, self.dtype,
+                        self.attention_impl, self.remat, scan=self.scan_layers, levers=self.levers,
+                        name="unc_transformer")(x_fork)
+        return x, x_unc
 
-        ln_post = LayerNorm(c.ln_eps, self.dtype, name="ln_post")
-        unc_index = int(c.class_token)
-        if c.pool == "gpo":
-            return self._gpo(ln_post(x), x_unc, proj, train)
+    def _pool_heads(self, x: jax.Array, x_unc: jax.Array | None, proj: jax.Array | None, ln_post: nn.Module
+                    ) -> tuple[jax.Array, jax.Array | None]:
+        """pool "tok" or "map": (mu [B, E], log sigma^2 [B, E] or None) from the encoder's tokens."""
+        c = self.config
+        n_prefix = int(c.class_token) + int(c.unc_token)
         if c.pool == "tok":
             # ln_post is per token and only the prefix tokens are read, so apply it there only.
             pooled = ln_post(x[:, :n_prefix])
             mu_token = pooled[:, 0]
-            if unc_token:
+            if c.unc_token:
                 mu_token = ln_post(mu_token)  # ProLIP's CLS gets ln_post twice (naver-ai/prolip src/prolip/transformer.py VisionTransformer step 6)
         else:  # "map": final norm on every token, then attention pooling (big_vision/timm SigLIP)
             pooled = ln_post(x)
+            act, init = self._block_args()
             mu_token = MAPHead(c.heads, c.mlp_dim, c.ln_eps, act, init, self.dtype, self.attention_impl,
                                name="map_head")(pooled)
 
@@ -143,7 +169,8 @@ class VisionTower(nn.Module):
             return mu.astype(jnp.float32), None
         if c.unc_head == "unc_token":
             spherical = c.covariance == "spherical"
-            logvar = Linear(1 if spherical else self.embed_dim, ("embed", "proj"), normal(scale),
+            unc_index = int(c.class_token)  # [UNC] follows [CLS] where there is one
+            logvar = Linear(1 if spherical else self.embed_dim, ("embed", "proj"), normal(c.width ** -0.5),
                             constant(c.init_unc_bias), self.dtype, name="uncertainty_proj")(pooled[:, unc_index])
             logvar = jnp.broadcast_to(logvar, mu.shape) if spherical else logvar
         else:  # "block": the [CLS] of the duplicated branch; "embedding": the same pooled feature

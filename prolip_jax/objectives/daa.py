@@ -66,9 +66,9 @@ from prolip_jax.objectives import pcme
 
 CLAMP = 50.0  # DAA.py sigmoid: exponent clamped to [-50, 50]
 CHUNK_ELEMENTS = 2 ** 26  # max elements of one [Q, N, chunk] slab of the soft-rank sum
-# On CPU at most this many (4 MiB of float32, cache-sized). The soft-ASP gradient (soft_asp,
-# one direction) on 2 shared cores, XLA:CPU: Q = N = 160 (batch 32, J = 5) 78 ms as one 16 MiB
-# slab, 7.5 ms in 4 slabs of 2^20; Q = N = 256: 463 ms vs 36 ms.
+# On CPU at most this many (4 MiB of float32, cache-sized): the soft-ASP gradient runs an order of
+# magnitude faster in cache-sized slabs than in one large one (docs/performance.md, "Levers and
+# defaults").
 CPU_CHUNK_ELEMENTS = 2 ** 20
 
 
