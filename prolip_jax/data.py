@@ -32,9 +32,8 @@ class RandomBatches:
     input pipeline's iterator interface (next, get_state/set_state, stats, close).
 
     uint8 pixels, as the tar pipeline delivers them (the step normalises on device): drawing
-    float32 normals for a B/16 batch of 256 took the host 554 ms per step on the H100 machine
-    (a quarter of the step rate; docs/performance.md), uint8 ~30 ms, and a quarter of the bytes
-    go to the device."""
+    float32 normals for a large batch costs the host more than a GPU step, and uint8 sends a
+    quarter of the bytes to the device."""
 
     def __init__(self, global_batch: int, image_size: int, context_length: int, vocab_size: int,
                  seed: int = 0, pad_id: int = 1, process_index: int | None = None,

@@ -43,8 +43,6 @@ PATTERNS = {
 # The one place a time may stand next to a machine: a config's expected run time (house rules).
 EXPECTED = re.compile(r"\bexpected\b", re.I)
 
-# Being cleaned on another branch; strict xfail, so the test says when they pass and these go.
-KNOWN = {"prolip_jax/train.py", "prolip_jax/data.py"}
 
 
 def prose_lines(source: str) -> list[tuple[int, str]]:
@@ -78,9 +76,7 @@ def lab_notes(path: Path, source: str | None = None) -> list[str]:
 FILES = sorted(p for folder in FOLDERS for p in (ROOT / folder).rglob("*.py") if ".venv" not in p.parts)
 
 
-@pytest.mark.parametrize("path", [
-    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="being cleaned on another branch"))
-    if str(p.relative_to(ROOT)) in KNOWN else p for p in FILES], ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_comments_and_docstrings_carry_no_lab_notes(path):
     notes = lab_notes(path)
     assert notes == [], "lab notes belong in docs/performance.md (figures) or nowhere:\n" + "\n".join(notes)

@@ -69,7 +69,7 @@ class ModelOptions:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute; params stay float32
     remat: str = dataclasses.field(default="none", metadata={"choices": tuple(REMAT_POLICIES)})
     attention_impl: Literal["auto", "xla", "cudnn"] = "auto"
-    # False: on CPU the scanned step is 6-17% slower and B/16's compiled temporaries 1.7x (docs/performance.md)
+    # False: the unrolled step runs faster on CPU with fewer temporaries (docs/performance.md, "Scanned blocks")
     scan_layers: bool = False  # each tower's blocks as one nn.scan (models/layout.py): 4x faster B/16 compile
     # GPU speed levers of the blocks, the same arithmetic, one line per field of
     # models/transformer.py BlockLevers (build_model passes them by name; tests/test_speed_levers.py;
