@@ -3,7 +3,7 @@
     python benchmarks/benchmark_cpu_step.py                     # own_data small model, batch 64, 2 threads
     python benchmarks/benchmark_cpu_step.py --config configs/tiny.py --batch 128 --repeats 30
 
-Ours: the real jitted step (prolip_jax/step.py make_train_step: full + masked forward, the
+Ours: the real jitted step (prolip_jax/core/step.py make_train_step: full + masked forward, the
 config's ProLIP loss, AdamW, donated state) on one CPU device. Theirs: benchmarks/torch_step.py
 (the reference step in PyTorch: same sizes, masked forward, loss terms and AdamW, float32,
 `torch.set_num_threads(threads)`). Both get the same batch; the two steps alternate, one
@@ -62,8 +62,8 @@ def build_ours(config, batch: int, images, tokens):
     """(compiled step, state, device batch): as benchmarks/benchmark_step.py builds it."""
     import jax
 
-    from prolip_jax import optim, sharding
-    from prolip_jax import step as step_lib
+    from prolip_jax.core import optim, sharding
+    from prolip_jax.core import step as step_lib
     from prolip_jax.trainer.build import build_model, model_config, step_config
     from prolip_jax.trainer.config import parse_config
 
@@ -100,7 +100,7 @@ def main() -> None:
     import numpy as np
 
     from benchmark_step import load_config, set_field  # benchmarks/benchmark_step.py
-    from prolip_jax.normalization import normalize
+    from prolip_jax.core.normalization import normalize
 
     torch.set_num_threads(args.threads)
     config = load_config(args.config)

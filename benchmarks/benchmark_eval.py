@@ -4,7 +4,7 @@
         [--images 8192 --texts 32768 --batch 1024] [--queries 50000 --gallery 1000000 --block 1024] \
         [--only encoder|csd] [--json OUT.json]
 
-Encoder: `prolip_jax.encode.Encoder` (what `prolip_jax.load` and every evaluator use) on randomly
+Encoder: `prolip_jax.core.encode.Encoder` (what `prolip_jax.load` and every evaluator use) on randomly
 initialised parameters of the config's model and random uint8 images / token ids, on all local
 devices; each tower is timed on its second pass (the first one compiles), host transfers
 included. Retrieval: `evaluators.retrieval.blocked_ranks` ("csd", the paper's protocol: query
@@ -58,8 +58,8 @@ def csd_retrieval(queries: int, gallery: int, dim: int, block: int) -> dict:
 
 
 def encoder_speed(config, images: int, texts: int, batch: int) -> dict:
-    from prolip_jax.encode import Encoder
-    from prolip_jax.models import ProLIP
+    from prolip_jax.core.encode import Encoder
+    from prolip_jax.core.models import ProLIP
     from prolip_jax.trainer.build import model_config
     from prolip_jax.trainer.config import parse_config
 

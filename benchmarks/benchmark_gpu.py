@@ -7,7 +7,7 @@ r"""The GPU benchmark plan (issue 17 §1) in one command: OUT_DIR/results.json a
 Parts (all by default, in this order):
   step       benchmarks/benchmark_step.py on configs/prolip_b16_datacomp.py (bf16 compute, float32
              parameters) at a per-device batch of 256 and a sweep: compile time, step time,
-             samples/s, TFLOP/s, MFU (989 TFLOP/s for an H100 SXM, prolip_jax/flops.py), peak
+             samples/s, TFLOP/s, MFU (989 TFLOP/s for an H100 SXM, prolip_jax/core/flops.py), peak
              device memory, the step's share of a plain 8192^3 bf16 matmul timed in the same
              process, and a jax.profiler trace of 3 steps (OUT_DIR/profile.tar.gz).
   max_batch  the largest per-device batch that runs, per remat policy (benchmark_step.py --max-batch).

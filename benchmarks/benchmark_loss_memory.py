@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from prolip_jax.objectives.prolip import ppcl
+from prolip_jax.core.objectives.prolip import ppcl
 
 
 def _inputs(batch: int, dim: int, rows: NamedSharding, rep: NamedSharding):

@@ -8,7 +8,7 @@
 
 Runs the real jitted step (full + masked forward, ProLIP loss, AdamW update, donated state) on
 random device-resident data, on every local device (the config's mesh). FLOPs are counted
-analytically (prolip_jax/flops.py); MFU uses the peak table there for the device kind.
+analytically (prolip_jax/core/flops.py); MFU uses the peak table there for the device kind.
 
 --matmul-reference times a plain N x N x N bf16 matmul in the same process (N = --matmul-size,
 8192 by default) and reports the step's TFLOP/s as a fraction of it: what this machine's
@@ -167,8 +167,8 @@ class Bench:
     """The model, optimiser, mesh and step of `config`, compiled per global batch size."""
 
     def __init__(self, config):
-        from prolip_jax import optim, sharding
-        from prolip_jax import step as step_lib
+        from prolip_jax.core import optim, sharding
+        from prolip_jax.core import step as step_lib
         from prolip_jax.trainer.build import build_model, model_config, step_config
         from prolip_jax.trainer.config import parse_config
 
@@ -283,8 +283,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="stop after the train state and the compile (fills a compile cache for a later timed run)")
     args = p.parse_args(argv)
 
-    from prolip_jax import flops as flops_lib
-    from prolip_jax.models.transformer import resolve_attention_impl
+    from prolip_jax.core import flops as flops_lib
+    from prolip_jax.core.models.transformer import resolve_attention_impl
 
     config = load_config(args.config)
     for assignment in args.set:

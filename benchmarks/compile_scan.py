@@ -3,7 +3,7 @@
     python benchmarks/compile_scan.py                     # B/16 compile both ways, small-model steps
     python benchmarks/compile_scan.py --compile-config configs/prolip_b16_datacomp.py:variant=L/16
 
-Compile: the real train step (prolip_jax/step.py make_train_step: full + masked forward, the
+Compile: the real train step (prolip_jax/core/step.py make_train_step: full + masked forward, the
 config's loss, AdamW) of `--compile-config` lowered and compiled for one CPU device at a
 per-device batch of `--compile-batch`, from abstract shapes (no parameters allocated), each
 layout in its own process: lower and compile seconds and the process's peak RSS (the host
@@ -32,8 +32,8 @@ def build(config_arg: str, batch: int, scan: bool, overrides: list[str]):
     import numpy as np
 
     from benchmark_step import load_config, set_field  # benchmarks/benchmark_step.py
-    from prolip_jax import optim, sharding
-    from prolip_jax import step as step_lib
+    from prolip_jax.core import optim, sharding
+    from prolip_jax.core import step as step_lib
     from prolip_jax.trainer.build import build_model, model_config, step_config
     from prolip_jax.trainer.config import parse_config
 
@@ -60,7 +60,7 @@ def build(config_arg: str, batch: int, scan: bool, overrides: list[str]):
 def compile_one(config_arg: str, batch: int, scan: bool, overrides: list[str]) -> dict:
     import jax
 
-    from prolip_jax import step as step_lib
+    from prolip_jax.core import step as step_lib
 
     step, _, tx, _, state_sh, batch_sh, _, traced = build(config_arg, batch, scan, overrides)
     abstract = step_lib.abstract_train_state(traced.boxed, tx, state_sh)
@@ -80,9 +80,9 @@ def step_times(config_arg: str, batch: int, repeats: int, overrides: list[str]) 
     import jax
     import numpy as np
 
-    from prolip_jax import step as step_lib
-    from prolip_jax import sharding
-    from prolip_jax.models.layout import to_layout
+    from prolip_jax.core import step as step_lib
+    from prolip_jax.core import sharding
+    from prolip_jax.core.models.layout import to_layout
 
     runs, state = {}, None
     for scan in (False, True):

@@ -15,7 +15,7 @@ and int32 tokens as the trainer sends) and compile it with the TPU compiler. Rep
     generated code, against the HBM XLA may use on that chip (`HBM_GIB`). A program that does
     not fit fails to compile with RESOURCE_EXHAUSTED: reported as "no" with the bytes it asked for;
   - FLOPs of the compiled program (`compiled.cost_analysis()`: every op, per chip) against
-    prolip_jax/flops.py's matmul-only model count (`train_step_flops` / chips), and their ratio;
+    prolip_jax/core/flops.py's matmul-only model count (`train_step_flops` / chips), and their ratio;
   - compile time (lowering + compilation, on this machine).
 
 Topology names are Cloud TPU accelerator types: v4-N and v5p-N count TensorCores (2 per chip:
@@ -151,7 +151,7 @@ def load_config(spec: str, overrides: list[str]) -> Any:
     from absl import flags
     from ml_collections import config_flags
 
-    from prolip_jax import config_args
+    from prolip_jax.runtime import config_args
     from prolip_jax.trainer.config import with_defaults
 
     config = with_defaults(config_args.load_config_file(spec))
@@ -176,9 +176,9 @@ def build_step(config: Any, devices: list[Any], mcfg: Any = None, constraints: b
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from prolip_jax import flops as flops_lib
-    from prolip_jax import optim, sharding
-    from prolip_jax import step as step_lib
+    from prolip_jax.core import flops as flops_lib
+    from prolip_jax.core import optim, sharding
+    from prolip_jax.core import step as step_lib
     from prolip_jax.trainer.build import build_model, model_config, step_config, validate
     from prolip_jax.trainer.config import parse_config
 
@@ -388,7 +388,7 @@ def describe(r: dict[str, Any]) -> str:
 
 def check(config: Any, topo: Topology) -> None:
     """The trainer's checks of `config` on `topo`'s mesh (prolip_jax/trainer/build.py validate): ValueError."""
-    from prolip_jax import sharding
+    from prolip_jax.core import sharding
     from prolip_jax.trainer.build import model_config, validate
     from prolip_jax.trainer.config import parse_config
 

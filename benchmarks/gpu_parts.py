@@ -47,7 +47,7 @@ def part_step(plan: Plan, r: Runner, env: dict) -> dict:
 def remat_policies(plan: Plan) -> tuple[str, ...]:
     if plan.remat_policies:
         return plan.remat_policies
-    from prolip_jax.models.transformer import REMAT_POLICIES
+    from prolip_jax.core.models.transformer import REMAT_POLICIES
 
     return tuple(REMAT_POLICIES)
 
@@ -144,8 +144,8 @@ def torch_step_figures(config_spec: str, per_device_batch: int, steps: int, comp
     from benchmark_step import load_config
     from torch_step import TorchTrainStep
 
-    from prolip_jax import flops as flops_lib
-    from prolip_jax import step as step_lib
+    from prolip_jax.core import flops as flops_lib
+    from prolip_jax.core import step as step_lib
     from prolip_jax.trainer.build import model_config, step_config
     from prolip_jax.trainer.config import parse_config
 
@@ -281,7 +281,7 @@ def random_batch_seconds(global_batch: int, mcfg) -> float | None:
     """Host seconds to make one data.source=random batch (uint8 images drawn each step) of the
     model config `mcfg`: the synthetic run's own input cost, to read its samples/s against."""
     try:
-        from prolip_jax.data import RandomBatches
+        from prolip_jax.trainer.data import RandomBatches
 
         it = RandomBatches(global_batch, mcfg.vision.image_size, mcfg.text.context_length, mcfg.text.vocab_size,
                            process_index=0, process_count=1)

@@ -16,7 +16,7 @@ The probabilistic papers expect these to get larger σ² than the clear ones.
 
 Each objective trains the `micro` towers (16 px, patch 8, width 32, one block per tower, ProLIP's
 [UNC] head for every objective, deterministic ones ignore it) with the real train step
-(prolip_jax/step.py), AdamW, batch 64, one CPU device; the knobs and a / b initialisations of
+(prolip_jax/core/step.py), AdamW, batch 64, one CPU device; the knobs and a / b initialisations of
 configs/methods.py (the paper's) where it lists the objective; the hardest-negative triplets
 (`vse`, `vse_daa`, `pishdad`) with VSE∞'s sum warm-up for the first third. Reported on 256 held-out images:
 zero-shot top-1 over the 16 class captions and text->image R@1 (chance 6.25% both), ranked by
@@ -42,10 +42,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from prolip_jax.normalization import normalize_on_device  # noqa: E402
-from prolip_jax import objectives, optim, sharding  # noqa: E402
-from prolip_jax import step as step_lib  # noqa: E402
-from prolip_jax.models import ProLIP, get_config  # noqa: E402
+from prolip_jax.core.normalization import normalize_on_device  # noqa: E402
+from prolip_jax.core import objectives, optim, sharding  # noqa: E402
+from prolip_jax.core import step as step_lib  # noqa: E402
+from prolip_jax.core.models import ProLIP, get_config  # noqa: E402
 
 PAD = 1  # = EOS, as in the SigLIP vocabulary
 MASK = 63  # the micro vocabulary's last id stands for [MASK]

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from input_pipeline import synthetic  # noqa: E402
-from prolip_jax import metrics  # noqa: E402
+from prolip_jax.runtime import metrics  # noqa: E402
 
 NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 TEMPLATES = ("a scan of a handwritten number {}", "the digit {}", "a handwritten {}",

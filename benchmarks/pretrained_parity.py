@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import test_pretrained_import as t  # noqa: E402  (the fixtures and the tiny timm trunk's config)
-from prolip_jax.pretrained.loader import load_pretrained  # noqa: E402
+from prolip_jax.core.pretrained.loader import load_pretrained  # noqa: E402
 
 SOURCES = (("open_clip 3.3.0, OpenAI-style CLIP", "openai_clip_tiny", {}),
            ("open_clip 3.3.0 + timm 1.0.31 SigLIP", "siglip_openclip_tiny", None),

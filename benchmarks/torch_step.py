@@ -1,4 +1,4 @@
-"""A PyTorch train step of the same ProLIP model and loss as `prolip_jax/step.py`, for benchmarks.
+"""A PyTorch train step of the same ProLIP model and loss as `prolip_jax/core/step.py`, for benchmarks.
 
 The model is tests/torch_reference.py's `TorchProLIP` (the reference forward, module names =
 the reference's state_dict keys, so `convert.flax_to_torch` weights load with strict keys); its
@@ -11,7 +11,7 @@ by the sub-batch), PPCL + original-in-masked and image-in-text inclusion + VIB, 
 then `logit_scale.clamp_(0, ln 100)`.
 
 Same sizes and the same rows as ours: the masked rows are the first `int(G * fraction)` of every
-group of G rows (prolip_jax/step.py; the reference takes the first n rows of the local batch,
+group of G rows (prolip_jax/core/step.py; the reference takes the first n rows of the local batch,
 the same cost). Two deliberate differences that only make this step cheaper, never different in
 value: tr(S_v + S_t) is a broadcast sum of per-row traces (the reference materialises a
 B x B x D tensor), and the |loss| > 1e5 guards are `torch.where` (the reference's Python `if`
@@ -56,7 +56,7 @@ def build_model(model_cfg: Any, params: Any = None) -> "TorchProLIP":
     require_torch()
     model = TorchProLIP(model_cfg.without_training_options().to_dict())
     if params is not None:
-        from prolip_jax import convert
+        from prolip_jax.core import convert
 
         sd = convert.flax_to_torch(params, model_cfg)
         model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in sd.items()}, strict=True)
@@ -132,7 +132,7 @@ def forward_and_loss(model, images, tokens, m_tokens, keep_idx, masked_rows, los
 
 # ------------------------------------------------------------------------------- the step
 def warmup_cosine(base_lr: float, warmup: int, total: int, end_lr: float = 0.0):
-    """The reference's `cosine_lr` (prolip_jax/optim.py warmup_cosine)."""
+    """The reference's `cosine_lr` (prolip_jax/core/optim.py warmup_cosine)."""
     decay = max(total - warmup, 1)
 
     def lr(step: int) -> float:

@@ -58,17 +58,17 @@ import math
 
 import ml_collections as mlc
 
-from prolip_jax import config_args
+from prolip_jax.runtime import config_args
 
 CPU_STEPS = 200
 # The papers' joint embedding on COCO, and the CLIP parameters that become new projections of that
-# size (prolip_jax/pretrained/warm_start.py InitConfig.fresh) instead of being loaded.
+# size (prolip_jax/core/pretrained/warm_start.py InitConfig.fresh) instead of being loaded.
 EMBED_DIM = 1024
 NEW_PROJECTIONS = ("^visual/proj$", "^text/text_projection/")
 # Training captions per epoch (one record per caption) of each dataset's training split.
 EPOCH_CAPTIONS = {"coco": 113_287 * 5, "flickr30k": 29_000 * 5, "cub": 8_855 * 10}
 
-# Parameter paths of the CLIP trunks (prolip_jax/optim.py matches them with re.search): what the
+# Parameter paths of the CLIP trunks (prolip_jax/core/optim.py matches them with re.search): what the
 # backbone lr multipliers and PCME++'s 2-epoch freeze apply to. The heads (GPO, the duplicated
 # block, projections, ln_post / ln_final) stay at the base lr.
 VISUAL_TRUNK = r"^visual/(patch_kernel|class_embedding|positional_embedding|ln_pre|transformer)/"
@@ -87,7 +87,7 @@ RECIPES: dict[str, dict] = {
     # 2-epoch freeze: its code's `embedding_warmup_epochs 2` + `embedding_warmup_after_freeze`
     # multiply the whole loss by (batch + 1) / batches in epoch 2 (pcmepp/engine.py; its
     # `linear_warmup: false` leaves epochs 0-1 unscaled), as VSE∞'s code does after its freeze:
-    # unlock_warmup_form "loss" (prolip_jax/optim.py), not an lr ramp of the trunk alone.
+    # unlock_warmup_form "loss" (prolip_jax/core/optim.py), not an lr ramp of the trunk alone.
     "pcmepp": dict(
         loss=dict(objective="pcmepp", pp_alpha=0.1, vib_beta=1e-4),
         model=dict(init_logit_scale=math.log(5.0), init_logit_bias=5.0, **PCMEPP_HEADS),
@@ -109,7 +109,7 @@ RECIPES: dict[str, dict] = {
     # daa_beta 1000, tau 0.01, vib 1e-5, J = 5, AdamP lr 1.5e-4, wd 0, clip 2, 70 epochs: 30 of
     # pre-training (3 of warm-up; the image trunk frozen), then 40 of fine-tuning at lr x0.1 with a
     # new cosine (its train_coco.py; T_max 30 epochs, so the cosine rises again for the last 10):
-    # prolip_jax/optim.py warmup_cosine_phases.
+    # prolip_jax/core/optim.py warmup_cosine_phases.
     "daa": dict(
         loss=dict(objective="pcme_daa", num_samples=5, vib_beta=1e-5, daa_beta=1000.0, daa_tau=0.01),
         model=dict(init_logit_scale=math.log(15.0), init_logit_bias=15.0, **PCMEPP_HEADS),
@@ -202,7 +202,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
     model = {k: v for k, v in recipe["model"].items() if k not in ("vision", "text")}
     towers = {k: dict(recipe["model"].get(k, {})) for k in ("vision", "text")}
     variant = "open_clip:ViT-B-32-quickgelu"
-    if cpu:  # the tiny towers with the same heads (prolip_jax/models/config.py VARIANTS)
+    if cpu:  # the tiny towers with the same heads (prolip_jax/core/models/config.py VARIANTS)
         variant, towers = CPU_TOWERS[method]
     c.model = mlc.ConfigDict(dict(variant=variant, config_json="", dtype="float32", remat="none",
                                   attention_impl="auto", embed_dim=0 if cpu else EMBED_DIM, **model,

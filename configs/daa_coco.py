@@ -16,7 +16,7 @@ single-accelerator job, not run or timed here; `:size=cpu` is a few minutes on C
 | semantic map | TF-IDF of the split's captions (code) | in-batch TF-IDF of token ids |
 | optimiser | AdamP lr 1.5e-4, wd 0, clip 2 | the same |
 | phases | 3 warm-up + 27 pre-training (visual trunk frozen) + 40 fine-tuning epochs | the same: visual trunk locked until epoch 30 |
-| lr schedule (code: train_coco.py) | cosine T_max 30 epochs over pre-training; fine-tuning restarts it at lr x0.1 with a new optimiser (rising again after its epoch 30), stepped per epoch, from the best pre-training checkpoint | schedule "cosine_phases" (prolip_jax/optim.py): the same lrs, by update count (no per-epoch staircase); Adam moments carried over; the last pre-training step, not the best |
+| lr schedule (code: train_coco.py) | cosine T_max 30 epochs over pre-training; fine-tuning restarts it at lr x0.1 with a new optimiser (rising again after its epoch 30), stepped per epoch, from the best pre-training checkpoint | schedule "cosine_phases" (prolip_jax/core/optim.py): the same lrs, by update count (no per-epoch staircase); Adam moments carried over; the last pre-training step, not the best |
 | batch | 128 (COCO), 150 (CUB) | the same |
 
 `:size=cpu` (batch 32, random tiny towers) scales the DAA weight to 1000 x (32/128)^2 = 62.5: at
@@ -28,7 +28,7 @@ R-P 28.2 / 28.5, R@1 53.2 / 37.7, ASP 53.4 / 57.6. Not reproduced here.
 """
 from pathlib import Path
 
-from prolip_jax import config_args
+from prolip_jax.runtime import config_args
 
 
 def get_config(arg=None):

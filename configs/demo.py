@@ -24,7 +24,7 @@ docs/recipes.md, "demo".
 """
 import ml_collections as mlc
 
-from prolip_jax import config_args
+from prolip_jax.runtime import config_args
 
 STEPS = 6000
 SMOKE_STEPS = 300  # clears scripts/demo.py's SMOKE_TARGETS, the accuracies by ~2x (docs/recipes.md, "demo")
@@ -43,7 +43,7 @@ def get_config(arg=None):
     c.batch_size = 128
 
     c.model = mlc.ConfigDict(dict(
-        variant="tiny",  # 32 px, patch 8, width 64, 2+2 layers, context 16 (prolip_jax.models.VARIANTS)
+        variant="tiny",  # 32 px, patch 8, width 64, 2+2 layers, context 16 (prolip_jax.core.models.VARIANTS)
         config_json="", dtype="float32", remat="none", attention_impl="auto",
         init_logit_scale=2.302585092994046,  # log 10: the paper's a = 10
     ))

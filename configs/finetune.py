@@ -4,7 +4,7 @@ Paper: "Probabilistic Language-Image Pre-Training" (Chun et al.; "ProLIP"), App.
 SigLIP warm starts); `long` follows the authors' LongProLIP recipe.
 
 Each recipe is the paper's pretraining config (configs/prolip_b16_datacomp.py) with a warm start
-(`config.init`, prolip_jax/pretrained/warm_start.py) and the recipe's optimiser and loss. The
+(`config.init`, prolip_jax/core/pretrained/warm_start.py) and the recipe's optimiser and loss. The
 weights are read from a local file/folder or a Hugging Face repo id (downloaded once into the
 hub cache; `HF_HUB_OFFLINE=1` reads only the cache). Data and tokenizer come on the command line
 as for pretraining:
@@ -32,7 +32,7 @@ own_data       The common case: a released ProLIP B/16 fine-tuned on your own im
 
 Override the source with `--config.init.path=...` (e.g. a local copy), lock the image tower with
 `--config.optim.locked="('^visual/',)"`, and set per-group learning rates, layer-wise decay or an
-unlock step as prolip_jax/optim.py describes.
+unlock step as prolip_jax/core/optim.py describes.
 
 TPU pod for siglip_l16, siglip_so400m and dfn_h14: a v5p-128 (64 chips, 256 per chip at the
 batch of 16,384), FSDP over all chips, scanned blocks, remat `dots_no_batch`, compiled at full
@@ -51,8 +51,8 @@ One host:
 """
 from pathlib import Path
 
-from prolip_jax import config_args
-from prolip_jax.pretrained import warm_start
+from prolip_jax.runtime import config_args
+from prolip_jax.core.pretrained import warm_start
 
 # The large towers' remat on their v5p-128 (256 per chip): the matmul outputs kept, the rest
 # recomputed. Of the policies compiled to fit with >= 10% of the HBM free, the one that

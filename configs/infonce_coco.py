@@ -18,7 +18,7 @@ COCO 1K R@1 74.0, 5K R@1 53.0, RSUM 532.6. Not reproduced here.
 """
 from pathlib import Path
 
-from prolip_jax import config_args
+from prolip_jax.runtime import config_args
 
 
 def get_config(arg=None):

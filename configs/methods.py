@@ -49,10 +49,10 @@ import importlib.util
 import math
 import os
 
-from prolip_jax import config_args
+from prolip_jax.runtime import config_args
 
 # method -> (objective, loss knobs, model overrides, targets). Loss knobs are the objective's
-# Config fields (prolip_jax/objectives/<objective>.py); what is not set takes its default.
+# Config fields (prolip_jax/core/objectives/<objective>.py); what is not set takes its default.
 # Model overrides are `config.model` fields (prolip_jax/train.py ModelOptions).
 DEMO_MASK_ID = 2  # the demo tokenizer's [MASK] (configs/demo.py masking.mask_token_id)
 # VSE∞'s triplet warm-up (vse_mean_warmup_epochs = 1): one pass over the demo's 20,000 training

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import ml_collections as mlc
 
-from prolip_jax import config_args
+from prolip_jax.runtime import config_args
 
 SIZES = {
     # variant / config_json, image px, context, batch, steps, lr, warm-up

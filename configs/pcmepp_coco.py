@@ -34,7 +34,7 @@ written on).
 """
 from pathlib import Path
 
-from prolip_jax import config_args
+from prolip_jax.runtime import config_args
 
 
 def get_config(arg=None):

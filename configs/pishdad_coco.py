@@ -21,7 +21,7 @@ reproduced here.
 """
 from pathlib import Path
 
-from prolip_jax import config_args
+from prolip_jax.runtime import config_args
 
 
 def get_config(arg=None):

@@ -28,7 +28,7 @@ Expected time (reference: 32 H100s): about 1.5 days for 1.28B samples seen at B/
 """
 import ml_collections as mlc
 
-from prolip_jax import config_args
+from prolip_jax.runtime import config_args
 
 _SAMPLES = {"1.28B": 1_280_000_000, "12.8B": 12_800_000_000}
 # Image size, sharding and memory layout per variant. ViTs from L/16 up shard parameters (FSDP),

@@ -19,7 +19,7 @@ For a TPU pod or a GPU cluster see configs/prolip_b16_datacomp.py and scripts/la
 """
 import ml_collections as mlc
 
-from prolip_jax import config_args
+from prolip_jax.runtime import config_args
 
 
 def get_config(arg=None):
@@ -32,7 +32,7 @@ def get_config(arg=None):
     c.batch_size = 64  # global
 
     c.model = mlc.ConfigDict(dict(
-        variant="tiny",  # a name in prolip_jax.models.VARIANTS (32 px, patch 8, context 16)
+        variant="tiny",  # a name in prolip_jax.core.models.VARIANTS (32 px, patch 8, context 16)
         config_json="",  # or a path to a reference config.json (any size), used instead
         dtype="float32", remat="none", attention_impl="auto",
         init_logit_scale=2.302585092994046,  # log 10: the paper's a = 10

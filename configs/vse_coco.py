@@ -19,7 +19,7 @@ COCO 1K R@1 75.5, 5K R@1 55.2, RSUM 536.5. Not reproduced here.
 """
 from pathlib import Path
 
-from prolip_jax import config_args
+from prolip_jax.runtime import config_args
 
 
 def get_config(arg=None):

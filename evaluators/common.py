@@ -1,6 +1,6 @@
 """Shared evaluator plumbing: config parsing, the -CSD / dot scores in blocks, metric helpers.
 
-Every evaluator encodes through `prolip_jax.encode.Encoder` (re-exported here) and reads its
+Every evaluator encodes through `prolip_jax.core.encode.Encoder` (re-exported here) and reads its
 images through `input_pipeline.eval_data` sets, so it runs sharded over all hosts' devices and
 every host computes the same metrics.
 
@@ -9,7 +9,7 @@ R-Precision, mAP, F1, a share of items ("..._rate") -- is in % (0-100, `percent`
 and the papers report them; correlations are in [-1, 1]; sigma^2 is tr(Sigma) (`uncertainty`).
 
 Each evaluator declares its knobs once, in a frozen `Config` dataclass beside its code, parsed
-by `parse_config` (prolip_jax/schema.py): a mistyped key is an error naming the nearest field.
+by `parse_config` (prolip_jax/runtime/schema.py): a mistyped key is an error naming the nearest field.
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from input_pipeline.tokenizers import build_tokenizer
-from prolip_jax import schema
-from prolip_jax.encode import Encoder  # noqa: F401  (the evaluators' encoder, re-exported)
-from prolip_jax.objectives.distances import csd
+from prolip_jax.runtime import schema
+from prolip_jax.core.encode import Encoder  # noqa: F401  (the evaluators' encoder, re-exported)
+from prolip_jax.core.objectives.distances import csd
 
 log = logging.getLogger(__name__)
 

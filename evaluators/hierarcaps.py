@@ -52,7 +52,7 @@ from evaluators.common import Encoder, parse_config, tokenizer_from, uncertainty
 from evaluators.uncertainty import ordering_rates
 from input_pipeline import eval_data
 from input_pipeline.eval_data import EvalSet, Files, Records
-from prolip_jax.objectives.distances import inclusion_test, log_inclusion
+from prolip_jax.core.objectives.distances import inclusion_test, log_inclusion
 
 ROOTS = ("null", "inclusion", "inclusion+null")
 LEVELS = 4   # caption levels per HierarCaps row, general -> specific

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from prolip_jax import schema
+from prolip_jax.runtime import schema
 
 NN_SPEC = "5-1-10-10-0.02-inverse"
 FEWSHOT_SPEC = "2-1-5-20-0.02-inverse"

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from input_pipeline import paths as paths_lib
+from input_pipeline import shards as paths_lib
 from input_pipeline.caption_files import karpathy_image_path, need, read_karpathy
 from input_pipeline.captions import read_cub
 from input_pipeline.eval_data import EvalSet, Files, Records, TarImages, Tfds

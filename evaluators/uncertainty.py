@@ -42,8 +42,8 @@ import numpy as np
 from evaluators.common import Encoder, parse_config, percent, uncertainty
 from input_pipeline import eval_data
 from input_pipeline.eval_data import EvalSet
-from prolip_jax.objectives.distances import inclusion_test
-from prolip_jax.models.prolip import ProLIP, mask_text_tokens, random_keep_indices
+from prolip_jax.core.objectives.distances import inclusion_test
+from prolip_jax.core.models.prolip import ProLIP, mask_text_tokens, random_keep_indices
 
 @dataclasses.dataclass(frozen=True)
 class Config:

@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any, Mapping, Sequence
 
-from prolip_jax import paths as fs
+from prolip_jax.runtime import paths as fs
 
 IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png", ".bmp", ".webp")
 

@@ -48,7 +48,7 @@ import numpy as np
 from input_pipeline import caption_files
 from input_pipeline.config import DEFAULT_SPLITS
 from input_pipeline.records import Skip
-from prolip_jax import paths as fs
+from prolip_jax.runtime import paths as fs
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Sequence
 
-from input_pipeline import paths as paths_lib
+from input_pipeline import shards as paths_lib
 from input_pipeline import transforms
-from prolip_jax.normalization import NORMALIZATIONS
+from prolip_jax.core.normalization import NORMALIZATIONS
 
 # Caption datasets with several captions per image (captions.py).
 CAPTION_SOURCES = ("coco_karpathy", "flickr30k", "cub")
@@ -59,7 +59,7 @@ class DataConfig:
     color_jitter_impl: str = "fast"     # "fast" (one colour matrix) or "torchvision"
     normalization: str = "openai"       # "openai" (reference) or "0.5" (SigLIP)
     # float32: normalised on the host. uint8: raw pixels, 4x less to move; call
-    # `prolip_jax.normalization.normalize_on_device(images, normalization)` in the step.
+    # `prolip_jax.core.normalization.normalize_on_device(images, normalization)` in the step.
     image_dtype: str = "float32"
     # Bad-input limits.
     max_image_pixels: int = 50_000_000  # decompression-bomb guard (checked before decoding)

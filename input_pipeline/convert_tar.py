@@ -23,7 +23,7 @@ import time
 import uuid
 from typing import Any, Sequence
 
-from input_pipeline import paths as paths_lib
+from input_pipeline import shards as paths_lib
 from input_pipeline.decode import decode_captions, load_rgb
 from input_pipeline.records import SKIP_REASONS, Skip, encode_record
 from input_pipeline.tar_source import iter_shard

@@ -7,7 +7,7 @@
 
 Images are read through the input pipeline (host h reads records h, h+P, ...; decode + eval
 transform; failed records become mask=False rows). Captions are small and known to every host:
-they are tokenised and encoded apart (prolip_jax.encode.Encoder.texts).
+they are tokenised and encoded apart (prolip_jax.core.encode.Encoder.texts).
 
 This module holds what several evaluators share: `EvalSet`, the record readers (files, tar
 members, array_record, tfds examples, arrays), the demo splits, ImageFolder and tfds

@@ -27,14 +27,14 @@ import grain
 import numpy as np
 
 from input_pipeline import captions, demo, tokenizers
-from input_pipeline import paths as paths_lib
+from input_pipeline import shards as paths_lib
 from input_pipeline import shared_batches
 from input_pipeline import sources
 from input_pipeline import tar_source
 from input_pipeline.config import CAPTION_SOURCES, DataConfig
 from input_pipeline.decode import DecodeConfig, ExampleDecoder
 from input_pipeline.records import REASON_INDEX, SKIP_REASONS, Skip
-from prolip_jax.normalization import normalize
+from prolip_jax.core.normalization import normalize
 
 Tokenizer = Callable[[Sequence[str]], np.ndarray]
 _PAD = Skip("padding")   # eval: a position past the end of this host's share of the data

@@ -25,7 +25,7 @@ import numpy as np
 import grain
 
 from input_pipeline.records import Skip, raw_from_record_bytes
-from prolip_jax import paths as fs
+from prolip_jax.runtime import paths as fs
 
 _EPOCH_SEED_TAG = 0xE90C
 

@@ -29,7 +29,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import grain
 
-from prolip_jax import paths as fs
+from prolip_jax.runtime import paths as fs
 from input_pipeline.records import Skip
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")

@@ -13,7 +13,7 @@ A model's token ids mean nothing without the exact tokenizer file that produced 
   same record as `prolip_tokenizer.json`, and for PyTorch users a `tokenizer.json` +
   `tokenizer_config.json` that `transformers.AutoTokenizer` / open_clip's `HFTokenizer` load.
 
-Files are read and written through the path layer (prolip_jax/paths.py): local folders or buckets
+Files are read and written through the path layer (prolip_jax/runtime/paths.py): local folders or buckets
 (gs://), written atomically with the permissions of a normal file.
 """
 from __future__ import annotations
@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from input_pipeline import tokenizers as T
-from prolip_jax import checkpoint
-from prolip_jax import paths as fs
-from prolip_jax.paths import write_bytes_atomic
+from prolip_jax.core import checkpoint
+from prolip_jax.runtime import paths as fs
+from prolip_jax.runtime.paths import write_bytes_atomic
 
 RECORD_NAME = "prolip_tokenizer.json"  # the record inside an exported Hugging Face folder
 # The usual file name of each kind inside an export (transformers' names for the first two).
@@ -90,7 +90,7 @@ class TokenizerFile:
     @classmethod
     def of(cls, tokenizer: Any, masking: Any = None) -> "TokenizerFile | None":
         """The file behind an `input_pipeline.tokenizers` tokenizer (or the demo's); None for
-        anything else (a test's stand-in). `masking`: the trainer's typed config.masking (prolip_jax.step.MaskingConfig)."""
+        anything else (a test's stand-in). `masking`: the trainer's typed config.masking (prolip_jax.core.step.MaskingConfig)."""
         if isinstance(tokenizer, T.SentencePieceTokenizer):
             kind, content = "sentencepiece", tokenizer._model_bytes
             kwargs = dict(clean=tokenizer.clean, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,

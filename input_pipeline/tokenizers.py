@@ -39,7 +39,7 @@ import ftfy
 import numpy as np
 import regex
 
-from prolip_jax import paths as fs
+from prolip_jax.runtime import paths as fs
 
 # Rust-side thread pools and forked grain workers do not mix (open_clip sets the same at import);
 # setdefault keeps an explicit user choice.

@@ -7,7 +7,7 @@ Train (naver-ai/prolip scripts/*.sh and src/prolip_train/params.py, open_clip 2.
 Eval (naver-ai/prolip src/prolip/tokenizer.py): bicubic resize of the shortest side to `size`, then CenterCrop(size).
 Normalisation: OpenAI CLIP mean/std (the reference's) or 0.5/0.5 (SigLIP's), by config.
 
-Transforms return HWC uint8; `prolip_jax.normalization.normalize` turns a batch into float32. The crop geometry is
+Transforms return HWC uint8; `prolip_jax.core.normalization.normalize` turns a batch into float32. The crop geometry is
 torchvision's `RandomResizedCrop.get_params` algorithm, drawn from a numpy Generator that the
 caller seeds per record, so a resumed run augments every record exactly as before.
 

@@ -14,9 +14,9 @@ import importlib
 _LAZY = {
     "PretrainedProLIP": "prolip_jax.api",
     "load": "prolip_jax.api",
-    "ProLIP": "prolip_jax.models",
-    "ProLIPConfig": "prolip_jax.models",
-    "get_config": "prolip_jax.models",
+    "ProLIP": "prolip_jax.core.models",
+    "ProLIPConfig": "prolip_jax.core.models",
+    "get_config": "prolip_jax.core.models",
 }
 
 __version__ = "0.1.0"

@@ -12,10 +12,10 @@ training's `data.normalization` (recorded in the checkpoint; "openai" = OpenAI C
 (input_pipeline/tokenizer_files.py) or exported with a Hugging Face folder.
 
 mu is L2-normalised and log sigma^2 raw, both float32 numpy [N, D]. `path` may also be a
-Hugging Face repo id or any source `prolip_jax.pretrained.loader.load_pretrained` reads
+Hugging Face repo id or any source `prolip_jax.core.pretrained.loader.load_pretrained` reads
 (open_clip / OpenAI CLIP, timm or big_vision SigLIP): those deterministic models return
 log sigma^2 = None. Encoding goes through
-`prolip_jax.encode.Encoder`: fixed-size batches (any N compiles one shape per tower), split
+`prolip_jax.core.encode.Encoder`: fixed-size batches (any N compiles one shape per tower), split
 over this host's devices.
 """
 from __future__ import annotations
@@ -32,13 +32,16 @@ from PIL import Image
 from input_pipeline import tokenizer_files, transforms
 from input_pipeline.decode import to_rgb
 from input_pipeline.tokenizers import build_tokenizer
-from prolip_jax import checkpoint, convert, export, normalization as normalization_lib, overview, tool_paths
+from prolip_jax.core import checkpoint, normalization as normalization_lib
+from prolip_jax.core import convert, artifacts
+from prolip_jax import export
+from prolip_jax.runtime import overview
 from evaluators import zeroshot
-from prolip_jax.encode import Encoder
-from prolip_jax.models.config import ProLIPConfig
-from prolip_jax.models.prolip import ProLIP
-from prolip_jax.objectives.prolip.ppcl import ppcl_logits
-from prolip_jax.pretrained.loader import load_pretrained
+from prolip_jax.core.encode import Encoder
+from prolip_jax.core.models.config import ProLIPConfig
+from prolip_jax.core.models.prolip import ProLIP
+from prolip_jax.core.objectives.prolip.ppcl import ppcl_logits
+from prolip_jax.core.pretrained.loader import load_pretrained
 
 
 @dataclasses.dataclass
@@ -50,7 +53,7 @@ class PretrainedProLIP:
     step: int | None = None  # the checkpoint step it was loaded from (None: a Hugging Face folder)
     report: Any = None  # the ImportReport of an imported (non-prolip_jax) source
     tokenizer: Any = None  # the recorded tokenizer (input_pipeline.tokenizers), if any
-    normalization: Any = "openai"  # a prolip_jax.normalization.NORMALIZATIONS name or a (mean, std) pair
+    normalization: Any = "openai"  # a prolip_jax.core.normalization.NORMALIZATIONS name or a (mean, std) pair
 
     def __post_init__(self):
         self.module = ProLIP(self.config, dtype=self.dtype)
@@ -156,7 +159,7 @@ class PretrainedProLIP:
         "openai": mean (0.48145466, 0.4578275, 0.40821073), std (0.26862954, 0.26130258,
         0.27577711); "0.5": 0.5 / 0.5). The same transform the evaluators and the input
         pipeline's eval path apply (input_pipeline.transforms.eval_transform, then
-        prolip_jax.normalization.normalize)."""
+        prolip_jax.core.normalization.normalize)."""
         if isinstance(images, Image.Image):
             images = [images]
         s = self.config.vision.image_size
@@ -199,7 +202,7 @@ def load(path: str | os.PathLike, dtype: Any = jnp.float32, step: int | None = N
     """Loads a prolip_jax checkpoint directory (CKPT), one of its step folders, a training
     workdir (its `checkpoints/` folder; the latest step unless `step` is given) or a Hugging Face
     folder (config.json + model.safetensors, e.g. a downloaded
-    `SanghyukChun/ProLIP-ViT-B-16-DC-1B-12_8B`): prolip_jax.tool_paths.locate, the rule of every
+    `SanghyukChun/ProLIP-ViT-B-16-DC-1B-12_8B`): prolip_jax.core.artifacts.locate, the rule of every
     tool. A missing path is a one-line FileNotFoundError; only a missing `org/name` is tried on
     the hub.
 
@@ -212,7 +215,7 @@ def load(path: str | os.PathLike, dtype: Any = jnp.float32, step: int | None = N
     such as dict(kind="sentencepiece", path="spiece.model")). `normalization` (for
     `.preprocess`): default the training's data.normalization, else "openai" (the reference's;
     imported SigLIP models want "0.5")."""
-    where = tool_paths.locate(path, step)  # the one rule of every tool (prolip_jax/tool_paths.py)
+    where = artifacts.locate(path, step)  # the one rule of every tool (prolip_jax/core/artifacts.py)
     report = None
     if where.kind in ("hub", "other") or format != "auto" or arch is not None:
         source = where.step_dir if where.kind == "checkpoint" else where.path

@@ -1,7 +1,7 @@
 """The Hugging Face export of a model: weights, config, tokenizer and image preprocessing.
 
 `save_hf` writes what the authors' `ProLIPHF.from_pretrained(folder)` loads (`config.json` +
-`model.safetensors`, prolip_jax/convert.py's layout), plus the tokenizer the model was trained
+`model.safetensors`, prolip_jax/core/convert.py's layout), plus the tokenizer the model was trained
 with (input_pipeline/tokenizer_files.py) and a transformers `preprocessor_config.json`;
 `load_hf_preprocessing` reads the last two back for `prolip_jax.load`.
 """
@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from input_pipeline import tokenizer_files
-from prolip_jax import paths
-from prolip_jax.paths import chmod_default
-from prolip_jax import convert
-from prolip_jax import normalization as normalization_lib
-from prolip_jax.models.config import ProLIPConfig
+from prolip_jax.runtime import paths
+from prolip_jax.runtime.paths import chmod_default
+from prolip_jax.core import convert
+from prolip_jax.core import normalization as normalization_lib
+from prolip_jax.core.models.config import ProLIPConfig
 
 PREPROCESSOR_NAME = "preprocessor_config.json"
 
@@ -31,7 +31,7 @@ def save_hf(hf_dir: str | os.PathLike, params: Mapping[str, Any], config: ProLIP
       `tokenizer_config.json` for `AutoTokenizer`), and config.json's text_cfg then names the
       folder itself (`hf_tokenizer_name: "."`, `tokenizer_kwargs: {"clean": ...}`) instead of
       the model variant's default tokenizer (SigLIP's 32k vocabulary for a 1,000-row embedding).
-    normalization: a name of prolip_jax.normalization.NORMALIZATIONS (the training's
+    normalization: a name of prolip_jax.core.normalization.NORMALIZATIONS (the training's
       data.normalization) or a (mean, std) pair: written as `preprocessor_config.json`
       (transformers' CLIPImageProcessor: bicubic resize + centre crop + that mean/std).
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 # process has become the supervisor of the one that trains: jax and the project take seconds to load.
 import sys
 
-from prolip_jax import supervise, train_flags
+from prolip_jax.runtime import supervise, train_flags
 
 if __name__ == "__main__":
     train_flags.exit_if_help(sys.argv, __doc__)
@@ -24,8 +24,8 @@ from typing import Any
 
 import jax
 
-from prolip_jax import config_args, paths, peers
-from prolip_jax.data import BatchFetcher
+from prolip_jax.runtime import config_args, paths, peers
+from prolip_jax.trainer.data import BatchFetcher
 from prolip_jax.trainer.checkpoints import RunFault
 from prolip_jax.trainer.config import with_defaults
 from prolip_jax.trainer.loop import train
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if supervise.is_child():
         supervise.die_with_parent()
-    elif fv.coordinator_address or supervise.auto_distributed():  # several processes: prolip_jax/supervise.py
+    elif fv.coordinator_address or supervise.auto_distributed():  # several processes: prolip_jax/runtime/supervise.py
         sys.exit(supervise.run_trainer(argv, fv.workdir, fv.process_id, fv.num_processes))
     logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
     maybe_initialize_distributed(fv.coordinator_address, fv.num_processes, fv.process_id)

@@ -13,7 +13,7 @@ PyTorch command that converts them. The format detected, missing/unplaced keys a
 shapes are reported by name, and nothing is written unless everything fits: CKPT is written
 beside itself and renamed into place when complete. A non-empty CKPT is refused unless
 --overwrite. SRC may also be a prolip_jax training workdir, checkpoints folder or step folder
-(the rule of every tool, prolip_jax/tool_paths.py). The tokenizer and image normalisation an
+(the rule of every tool, prolip_jax/core/artifacts.py). The tokenizer and image normalisation an
 exported folder (or a prolip_jax checkpoint) carries are recorded in CKPT, so
 `prolip_jax.load(CKPT).tokenize(...)` gives the ids of the original.
 """
@@ -38,17 +38,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     args = p.parse_args(argv)
 
-    from prolip_jax import checkpoint, paths, tool_paths
-    from prolip_jax.pretrained.loader import load_pretrained
+    from prolip_jax.core import checkpoint
+    from prolip_jax.runtime import paths
+    from prolip_jax.core import artifacts
+    from prolip_jax.core.pretrained.loader import load_pretrained
 
     source, fmt = (args.hf_dir, "prolip") if args.hf_dir else (args.src, args.format)
     arch = args.arch
     try:  # validates every key and shape before anything is written
-        out = tool_paths.check_out(args.out, args.overwrite)
+        out = artifacts.check_out(args.out, args.overwrite)
         if arch and arch.endswith(".json"):
             arch = json.loads(Path(arch).read_text())
             arch = arch.get("model_cfg", arch)
-        where = tool_paths.locate(source)
+        where = artifacts.locate(source)
         config, params, report = load_pretrained(where.step_dir if where.kind == "checkpoint" else where.path,
                                                  format=fmt, arch=arch, allow_unplaced=args.allow_unplaced)
         tokenizer, normalization = recorded_preprocessing(where)
@@ -74,9 +76,10 @@ def main(argv: list[str] | None = None) -> int:
 def recorded_preprocessing(where) -> tuple:
     """(TokenizerFile or None, normalisation or None) that the source carries: an exported
     folder's prolip_tokenizer.json + preprocessor_config.json, or a prolip_jax checkpoint's record.
-    `where`: a prolip_jax.tool_paths.Located."""
+    `where`: a prolip_jax.core.artifacts.Located."""
     from input_pipeline import tokenizer_files
-    from prolip_jax import checkpoint, export
+    from prolip_jax.core import checkpoint
+    from prolip_jax import export
 
     if where.kind == "hf":
         return tokenizer_files.file_from_hf(where.path), export.load_hf_preprocessing(where.path)[1]

@@ -4,7 +4,7 @@
         [--tokenizer KIND:PATH]
 
 CKPT: a training workdir, its checkpoints/ folder, one step folder or an exported folder (the
-rule of every tool, prolip_jax/tool_paths.py). A non-empty HF_DIR is refused unless --overwrite.
+rule of every tool, prolip_jax/core/artifacts.py). A non-empty HF_DIR is refused unless --overwrite.
 
 HF_DIR receives `config.json` + `model.safetensors` (keys and shapes of naver-ai/prolip's ProLIPHF state dict), which
 `prolip.model.ProLIPHF.from_pretrained(HF_DIR)` loads with no missing or unexpected key, plus
@@ -37,11 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from input_pipeline import tokenizer_files
-    from prolip_jax import checkpoint, convert, export, tool_paths
+    from prolip_jax.core import checkpoint
+    from prolip_jax.core import convert, artifacts
+    from prolip_jax import export
 
     try:
-        tool_paths.check_out(args.out, args.overwrite)  # before the (slow) load
-        where = tool_paths.locate(args.checkpoint, args.step)
+        artifacts.check_out(args.out, args.overwrite)  # before the (slow) load
+        where = artifacts.locate(args.checkpoint, args.step)
         if where.kind == "checkpoint":
             params, config, step = checkpoint.load_params(where.path, step=where.step)
             normalization = checkpoint.training_normalization(checkpoint.load_config(where.path, step)[1])

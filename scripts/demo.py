@@ -82,7 +82,7 @@ def _load_module(path: Path, name: str):
 
 
 def latest_step(workdir: Path) -> int | None:
-    from prolip_jax import checkpoint
+    from prolip_jax.core import checkpoint
 
     try:
         return checkpoint.resolve(workdir / "checkpoints")[1]
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     evaluate = _load_module(ROOT / "scripts" / "evaluate.py", "_prolip_evaluate")
     config = evaluate.load_config(args.config)
-    from prolip_jax.data import demo_kwargs as run_demo_kwargs
+    from prolip_jax.trainer.data import demo_kwargs as run_demo_kwargs
     from prolip_jax.trainer.build import model_config
     from prolip_jax.trainer.config import parse_config
 

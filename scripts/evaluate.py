@@ -9,7 +9,7 @@
 
 CKPT is a training workdir, its checkpoints/ folder, one step folder or an exported Hugging
 Face folder (config.json + model.safetensors), loaded with `prolip_jax.load` (the rule of every
-tool, prolip_jax/tool_paths.py). A non-empty DIR is refused unless --overwrite, which replaces
+tool, prolip_jax/core/artifacts.py). A non-empty DIR is refused unless --overwrite, which replaces
 it; DIR is written beside itself and renamed into place when complete.
 
 The config file defines `get_config(arg)` (arg after ':') with
@@ -65,7 +65,7 @@ def load_config(spec: str, overrides: list[str] = ()) -> Any:
     `--config.<field>=value` overrides applied (as prolip_jax.train does for training).
     A missing file, a bad arg or an override naming no field raises a ValueError /
     FileNotFoundError whose message is one line naming the problem."""
-    from prolip_jax import config_args
+    from prolip_jax.runtime import config_args
 
     config = config_args.load_config_file(spec)
     return apply_overrides(config, list(overrides))
@@ -79,7 +79,7 @@ def apply_overrides(config: Any, overrides: list[str]) -> Any:
     from absl import flags
     from ml_collections import config_flags
 
-    from prolip_jax import config_args
+    from prolip_jax.runtime import config_args
 
     bad = [a for a in overrides if not a.startswith("--config.") or "=" not in a]
     if bad:
@@ -370,9 +370,10 @@ def evaluate(checkpoint: str, config: Any, out: Path, step: int | None = None,
     modules = resolve_evaluators(evals, skip_missing)  # fail before the (slow) load
     if not modules:
         raise SystemExit("error: no evaluator to run")
-    from prolip_jax import paths, tool_paths
+    from prolip_jax.runtime import paths
+    from prolip_jax.core import artifacts
 
-    tool_paths.check_out(out, overwrite is not False)
+    artifacts.check_out(out, overwrite is not False)
 
     import jax
     import prolip_jax

@@ -51,8 +51,8 @@ TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
 def read_captions(inputs: Sequence[str]) -> Iterator[str]:
     """Captions of tar shards (the `.txt` member of each record) and text files (one per line)."""
-    from input_pipeline import paths as paths_lib
-    from prolip_jax import paths as fs
+    from input_pipeline import shards as paths_lib
+    from prolip_jax.runtime import paths as fs
     from input_pipeline import tar_source
     from input_pipeline.decode import pick_caption
     from input_pipeline.records import Skip
@@ -85,7 +85,7 @@ def train_tokenizer(inputs: Sequence[str], output: str | os.PathLike, context_le
     import sentencepiece as spm
 
     from input_pipeline.tokenizers import build_tokenizer, get_clean_fn
-    from prolip_jax.paths import write_bytes_atomic
+    from prolip_jax.runtime.paths import write_bytes_atomic
 
     clean_fn = get_clean_fn(clean)
     # The tokenizer sees captions cleaned as the pipeline cleans them, so train on those.

@@ -67,7 +67,7 @@ def golden():
 
 @pytest.fixture(scope="session")
 def golden_config(golden):
-    from prolip_jax.models import ProLIPConfig
+    from prolip_jax.core.models import ProLIPConfig
 
     return ProLIPConfig.from_dict(json.loads(str(golden["config_json"])))
 
@@ -79,7 +79,7 @@ def golden_state_dict(golden):
 
 @pytest.fixture(scope="session")
 def golden_params(golden_state_dict, golden_config):
-    from prolip_jax import convert
+    from prolip_jax.core import convert
 
     return convert.torch_to_flax(golden_state_dict, golden_config)
 
@@ -121,7 +121,7 @@ def micro():
     """(the `micro` ProLIP module, random params): unit LayerNorm scales, N(0, 0.2) elsewhere."""
     import jax
 
-    from prolip_jax.models import ProLIP, abstract_params, get_config
+    from prolip_jax.core.models import ProLIP, abstract_params, get_config
     cfg = get_config("micro")
     rng = np.random.default_rng(0)
 

@@ -6,7 +6,7 @@ import pytest
 
 import prolip_jax
 from conftest import max_rel_err
-from prolip_jax import checkpoint
+from prolip_jax.core import checkpoint
 from prolip_jax import export
 
 

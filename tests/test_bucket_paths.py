@@ -2,7 +2,7 @@
 
 The stand-in: a fake `gs`/`gcs` fsspec filesystem over a local folder (`FakeGCS`), registered
 for the test's duration. gs:// paths then take exactly the code path they take on a pod: the
-path layer (prolip_jax/paths.py) asks fsspec for the "gs" filesystem and etils.epath for "gcs"
+path layer (prolip_jax/runtime/paths.py) asks fsspec for the "gs" filesystem and etils.epath for "gcs"
 (TensorFlow absent), and both get this class where gcsfs would serve them. Like GCS, it needs
 no folders before a write. orbax's array data goes through tensorstore's own GCS driver, not
 fsspec, so the training test points orbax's manager at the same folder by its local name;
@@ -23,7 +23,7 @@ from etils.epath import backend as epath_backend
 from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
-from prolip_jax import paths
+from prolip_jax.runtime import paths
 
 DATA = Path(__file__).parent / "data"
 
@@ -176,12 +176,12 @@ def test_each_kind_of_bucket_fault_is_one_line_naming_it(kind, real, faulty, cap
     make, name, words = FAULTS[kind]
     cls = getattr(paths, name)
     faulty(lambda: make(real))
-    from prolip_jax import tool_paths
+    from prolip_jax.core import artifacts
 
     calls = {"check_reachable": lambda: paths.check_reachable("gs://b/run", "--workdir", "--workdir"),
              "isfile": lambda: paths.isfile("gs://b/run"), "isdir": lambda: paths.isdir("gs://b/run"),
              "listdir": lambda: paths.listdir("gs://b/run"), "read": lambda: paths.read_bytes("gs://b/run/x"),
-             "locate": lambda: tool_paths.locate("gs://b/run", flag="--checkpoint")}
+             "locate": lambda: artifacts.locate("gs://b/run", flag="--checkpoint")}
     for name, call in calls.items():
         paths._probed.clear()
         with pytest.raises(cls) as err:
@@ -195,7 +195,7 @@ def test_each_kind_of_bucket_fault_is_one_line_naming_it(kind, real, faulty, cap
 
 
 def test_a_missing_bucket_object_is_not_found_and_a_new_workdir_is_fine(bucket):
-    from prolip_jax import tool_paths
+    from prolip_jax.core import artifacts
 
     paths.check_reachable("gs://b/new-run", "--workdir", "--workdir")  # a new workdir: nothing there yet
     assert not paths.isfile("gs://b/new-run") and not paths.isdir("gs://b/new-run")
@@ -203,7 +203,7 @@ def test_a_missing_bucket_object_is_not_found_and_a_new_workdir_is_fine(bucket):
         paths.check_reachable("gs://b/none", "--checkpoint", "--checkpoint", must_exist=True)
     assert isinstance(err.value, FileNotFoundError) and "\n" not in str(err.value)
     with pytest.raises(FileNotFoundError, match="gs://b/none: no such bucket, file or folder"):
-        tool_paths.locate("gs://b/none")
+        artifacts.locate("gs://b/none")
 
 
 def test_a_store_that_does_not_answer_is_unreachable_within_the_probe_deadline(faulty, monkeypatch):
@@ -270,7 +270,7 @@ def test_tokenizer_from_a_bucket_and_its_record_into_one(bucket, tmp_path):
 
 
 def test_init_weights_from_a_bucket(bucket):
-    from prolip_jax.pretrained.loader import load_pretrained
+    from prolip_jax.core.pretrained.loader import load_pretrained
 
     shutil.copytree(DATA / "pretrained" / "openai_clip_tiny", bucket / "b" / "init" / "openai_clip_tiny")
     shutil.copy(DATA / "pretrained" / "siglip_bigvision_tiny.npz", bucket / "b" / "init")
@@ -290,7 +290,7 @@ def test_init_weights_from_a_bucket(bucket):
 
 def test_tar_shards_and_caption_files_from_a_bucket(bucket):
     from input_pipeline import captions, caption_files, sources, tar_source
-    from input_pipeline.paths import expand_paths
+    from input_pipeline.shards import expand_paths
     from input_pipeline.synthetic import make_jpeg_shards
 
     make_jpeg_shards(str(bucket / "b" / "shards"), num_shards=2, per_shard=3, width=24, height=24)
@@ -333,7 +333,7 @@ def test_tar_shards_and_caption_files_from_a_bucket(bucket):
 def test_a_training_workdir_in_a_bucket(bucket, monkeypatch):
     from prolip_jax import train
     from prolip_jax.trainer import checkpoints as trainer_checkpoints
-    from prolip_jax.metrics import read_jsonl, read_tensorboard_scalars
+    from prolip_jax.runtime.metrics import read_jsonl, read_tensorboard_scalars
 
     spec = importlib.util.spec_from_file_location("tiny", Path(__file__).parents[1] / "configs" / "tiny.py")
     module = importlib.util.module_from_spec(spec)
@@ -365,7 +365,7 @@ def test_a_training_workdir_in_a_bucket(bucket, monkeypatch):
 def exported(micro, tmp_path):
     """A local exported folder (config.json + model.safetensors + preprocessor_config.json)."""
     from prolip_jax import export
-    from prolip_jax.models import get_config
+    from prolip_jax.core.models import get_config
 
     return export.save_hf(tmp_path / "hf", micro[1], get_config("micro"), normalization="0.5")
 
@@ -403,26 +403,28 @@ def test_an_exported_folder_loads_from_any_fsspec_url(exported, bucket, memory_r
 
 
 def test_a_checkpoint_at_a_url_orbax_cannot_read_is_one_line(micro, tmp_path, memory_root):
-    from prolip_jax import checkpoint, tool_paths
-    from prolip_jax.models import get_config
+    from prolip_jax.core import checkpoint
+    from prolip_jax.core import artifacts
+    from prolip_jax.core.models import get_config
 
     fs, root = memory_root
     checkpoint.save_params(tmp_path / "run" / "checkpoints", micro[1], get_config("micro"), step=2)
     fs.put(str(tmp_path / "run"), root + "/run", recursive=True)
     for url in (f"memory://{root}/run", f"memory://{root}/run/checkpoints", f"memory://{root}/run/checkpoints/2"):
         with pytest.raises(ValueError) as err:
-            tool_paths.locate(url)
+            artifacts.locate(url)
         msg = str(err.value)
         assert "\n" not in msg and "loads from gs:// or local disk only" in msg and url in msg
 
 
 def test_a_bucket_checkpoint_is_located_through_the_path_layer(micro, bucket):
-    from prolip_jax import checkpoint, tool_paths
-    from prolip_jax.models import get_config
+    from prolip_jax.core import checkpoint
+    from prolip_jax.core import artifacts
+    from prolip_jax.core.models import get_config
 
     checkpoint.save_params(bucket / "b" / "run" / "checkpoints", micro[1], get_config("micro"), step=2)
     for url in ("gs://b/run", "gs://b/run/checkpoints", "gs://b/run/checkpoints/2"):
-        where = tool_paths.locate(url)  # on main: "no prolip_jax checkpoint found" (pathlib folded gs://)
+        where = artifacts.locate(url)  # on main: "no prolip_jax checkpoint found" (pathlib folded gs://)
         assert (where.kind, str(where.path), where.step) == ("checkpoint", "gs://b/run/checkpoints", 2)
         assert str(where.step_dir) == "gs://b/run/checkpoints/2"
 

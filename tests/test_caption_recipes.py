@@ -18,7 +18,7 @@ from PIL import Image
 
 from input_pipeline.demo import render
 from input_pipeline.demo.dataset import write_tokenizer
-from prolip_jax import config_args
+from prolip_jax.runtime import config_args
 from prolip_jax.trainer import build as trainer_build, config as trainer_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,8 +50,8 @@ def test_recipe_warm_starts_clip_with_new_1024d_projections(method):
     shapes alone, as a run does before compiling) with the papers' 1024-d joint embedding: CLIP's
     512-d projections are the only parameters whose shapes differ, and config.init.fresh covers
     exactly them."""
-    from prolip_jax.models import abstract_params
-    from prolip_jax.pretrained import openclip, warm_start
+    from prolip_jax.core.models import abstract_params
+    from prolip_jax.core.pretrained import openclip, warm_start
 
     c = trainer_config.with_defaults(config_args.load_config_file(f"configs/{method}_coco.py"))
     mcfg = trainer_build.model_config(trainer_config.parse_config(c))

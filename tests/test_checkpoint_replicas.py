@@ -1,6 +1,6 @@
 """Saving replicated parameters compiles nothing: orbax's replica-parallel save cuts each
 replica's slice with an eager `lax.slice` (one XLA compile per array shape and device);
-prolip_jax.checkpoint has one replica write every array whose slices would be under
+prolip_jax.core.checkpoint has one replica write every array whose slices would be under
 REPLICA_PARALLEL_MIN_BYTES, and the arrays read back exactly."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from prolip_jax import checkpoint
+from prolip_jax.core import checkpoint
 
 
 def test_saving_replicated_params_on_8_devices_compiles_no_slices(micro, tmp_path, caplog):

@@ -9,11 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from prolip_jax import overview, profiling, train
-from prolip_jax.metrics import read_jsonl
-from prolip_jax.models import abstract_params, get_config
-from prolip_jax.models.prolip import count_params
-from prolip_jax.window import Window, reduction
+from prolip_jax.runtime import overview, profiling
+from prolip_jax import train
+from prolip_jax.runtime.metrics import read_jsonl
+from prolip_jax.core.models import abstract_params, get_config
+from prolip_jax.core.models.prolip import count_params
+from prolip_jax.runtime.window import Window, reduction
 from test_train import tiny_config
 
 KEYS = ("loss", "loss/ppcl", "a", "sigma2_trace/image", "lr", "grad_norm", "nonfinite")

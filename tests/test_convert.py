@@ -13,8 +13,9 @@ from safetensors.numpy import save_file
 
 import prolip_jax
 from conftest import max_rel_err
-from prolip_jax import checkpoint, convert
-from prolip_jax.models import ProLIPConfig, get_config, init_params
+from prolip_jax.core import checkpoint
+from prolip_jax.core import convert
+from prolip_jax.core.models import ProLIPConfig, get_config, init_params
 from prolip_jax import export
 
 ROOT = Path(__file__).resolve().parents[1]

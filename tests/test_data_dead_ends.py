@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from input_pipeline import convert_tar, synthetic, tar_source
-from input_pipeline import paths as data_paths
+from input_pipeline import shards as data_paths
 from input_pipeline.config import DataConfig
-from prolip_jax import data as data_lib
+from prolip_jax.trainer import data as data_lib
 from prolip_jax import train
 
 from test_train import tiny_config

@@ -131,7 +131,7 @@ def test_two_demo_trainings_are_bit_identical(tmp_path, demo_cache):
                   if "loss" in r]
         runs.append((losses, workdir))
     assert len(runs[0][0]) == 20 and runs[0][0] == runs[1][0]
-    from prolip_jax import checkpoint
+    from prolip_jax.core import checkpoint
 
     a, b = (checkpoint.load_params(w / "checkpoints")[0] for _, w in runs)
     import jax

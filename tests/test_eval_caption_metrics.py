@@ -255,8 +255,8 @@ def dense_extras(i_mu, i_lv, t_mu, t_lv, cap_img, codes, keep, v):
 
 
 def test_evaluator_end_to_end_karpathy(tmp_path, caplog):
-    from prolip_jax.models import ProLIP, abstract_params, get_config
-    from prolip_jax.normalization import normalize
+    from prolip_jax.core.models import ProLIP, abstract_params, get_config
+    from prolip_jax.core.normalization import normalize
 
     cfg = get_config("micro")
     model = ProLIP(cfg, attention_impl="xla")
@@ -312,7 +312,7 @@ def test_evaluator_end_to_end_karpathy(tmp_path, caplog):
 
 # ---- CUB end to end and the eval configs ------------------------------------------------
 def micro():
-    from prolip_jax.models import ProLIP, abstract_params, get_config
+    from prolip_jax.core.models import ProLIP, abstract_params, get_config
 
     cfg = get_config("micro")
     rng = np.random.default_rng(0)
@@ -351,7 +351,7 @@ def test_cub_config_end_to_end(tmp_path):
     data = ev.data()
     assert len(data) == 5 and len(data.captions) == 15       # 020 is not a test class
     assert data.info["class_ids"].tolist() == [0, 0, 16, 16, 16]  # NNN - 1, as PCME
-    from prolip_jax.normalization import normalize
+    from prolip_jax.core.normalization import normalize
     images = np.concatenate([b["image"][b["mask"]] for b in data.batches(8, 16)])
     apply = lambda m, x: jax.jit(lambda p, x: model.apply({"params": p}, x, method=m))(params, x)
     i_mu, i_lv = (np.asarray(a, np.float64) for a in apply(model.encode_image, normalize(images)))

@@ -1,4 +1,4 @@
-"""Every evaluator declares a `Config` dataclass parsed by prolip_jax/schema.py: a misspelled key
+"""Every evaluator declares a `Config` dataclass parsed by prolip_jax/runtime/schema.py: a misspelled key
 is a ValueError naming the nearest field, an ill-typed value is refused, and every key the eval
 configs (configs/eval/*.py) and the trainer configs' `evals` sections use is a field."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 import evaluators
 from evaluators import prompt_reweighting, zeroshot
-from prolip_jax import config_args, schema
+from prolip_jax.runtime import config_args, schema
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL_KEYS = ("type", "log_steps", "prefix")   # the trainer's / evaluate.py's, not the evaluator's

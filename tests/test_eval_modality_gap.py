@@ -32,7 +32,7 @@ def test_mismatched_pairs_are_other_images():
 
 
 def test_end_to_end_on_the_demo_set(tmp_path):
-    from prolip_jax.models import ProLIP, abstract_params, get_config
+    from prolip_jax.core.models import ProLIP, abstract_params, get_config
 
     cfg = get_config("micro")
     model = ProLIP(cfg, attention_impl="xla")

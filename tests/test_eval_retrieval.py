@@ -163,7 +163,7 @@ def test_device_ranks_equal_host_ranks_with_ties_padding_and_exclusion():
 # ---- end to end ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from prolip_jax.models import ProLIP, abstract_params, get_config
+    from prolip_jax.core.models import ProLIP, abstract_params, get_config
 
     cfg = get_config("micro")
     model = ProLIP(cfg, attention_impl="xla")
@@ -293,7 +293,7 @@ def test_evaluator_karpathy_coco_folds(setup, tmp_path):
     res = dict(ev.run(params))
     data = ev.data()
     images = np.concatenate([b["image"][b["mask"]] for b in data.batches(4, 16)])
-    from prolip_jax.normalization import normalize
+    from prolip_jax.core.normalization import normalize
     tokens = tok(data.captions)
     emb = embed(model, params, normalize(images), tokens)
     full = dense_metrics(emb, data.caption_record, "csd")

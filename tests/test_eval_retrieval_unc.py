@@ -64,7 +64,7 @@ def dense_ranks(q_mu, q_lv, g_mu, g_lv, positives, exclude=None):
 
 
 def test_evaluator_uncertainty_outputs_equal_dense(monkeypatch):
-    from prolip_jax.models import ProLIP, get_config
+    from prolip_jax.core.models import ProLIP, get_config
 
     rng = np.random.default_rng(0)
     cap_img = np.repeat(np.arange(6), 2)                          # 6 images x 2 captions

@@ -112,7 +112,7 @@ def test_summarize_rates_from_arrays():
 # ------------------------------------------------------------------------------ end to end
 @pytest.fixture(scope="module")
 def micro():
-    from prolip_jax.models import ProLIP, get_config, init_params
+    from prolip_jax.core.models import ProLIP, get_config, init_params
 
     config = get_config("micro")
     # jit: one compiled init instead of op-by-op dispatch (seconds on 2 CPU cores)

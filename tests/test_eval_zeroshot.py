@@ -187,7 +187,7 @@ def test_bprw_spec_parsing():
 def micro():
     """The micro model with random numpy parameters of the right shapes (eager Flax init of
     even this model takes >10 s on 2 cores; only finite, input-dependent outputs matter here)."""
-    from prolip_jax.models import ProLIP, abstract_params, get_config
+    from prolip_jax.core.models import ProLIP, abstract_params, get_config
     cfg = get_config("micro")
     rng = np.random.default_rng(0)
 

@@ -16,7 +16,8 @@ import jax
 import numpy as np
 import pytest
 
-from prolip_jax import checkpoint, train
+from prolip_jax.core import checkpoint
+from prolip_jax import train
 from prolip_jax.trainer import build as trainer_build, workdir as trainer_workdir
 
 from test_train import tiny_config
@@ -92,7 +93,7 @@ def test_check_step_names_what_is_wrong(run, tmp_path):
     (w / "1" / "config" / "metadata").write_text('{"model": ')  # a torn JSON item
     assert checkpoint.check_step(w, 1) == "config/metadata is not valid JSON"
     # Values: a readable, well-shaped array holding NaN is damage too.
-    from prolip_jax.models import get_config
+    from prolip_jax.core.models import get_config
 
     checkpoint.save_params(tmp_path / "nan", {"w": np.array([1.0, np.nan], np.float32)}, get_config("micro"), step=7)
     assert checkpoint.check_step(tmp_path / "nan", 7) == "params/w holds non-finite values"
@@ -298,7 +299,7 @@ def test_a_killed_workers_image_ring_is_released_on_close():
 
 # ------------------------------------------------------------------------- beside the arrays
 def test_a_torn_last_metrics_line_is_skipped_with_a_warning(tmp_path, caplog):
-    from prolip_jax.metrics import read_jsonl
+    from prolip_jax.runtime.metrics import read_jsonl
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": null}\n{"step": 3, "lo')
@@ -330,7 +331,7 @@ class _KeyValues:
 
 
 def test_peer_watch_names_a_silent_failed_or_unreachable_process():
-    from prolip_jax.peers import PeerWatch
+    from prolip_jax.runtime.peers import PeerWatch
 
     now = [0.0]
     kv = _KeyValues()
@@ -354,7 +355,7 @@ def test_a_lost_process_ends_the_other_in_one_line(tmp_path):
     """Two processes x 4 CPU devices: process 1 is killed with SIGKILL after step 3; process 0
     stops within PROLIP_PEER_TIMEOUT_S (+ one beat) with one line, exit 2, never hanging. Both
     restarted, the coordinator (process 0) is killed after step 3: process 1 stops at once with
-    one line (prolip_jax/supervise.py), exit 2. Both restarted again resume from the newest
+    one line (prolip_jax/runtime/supervise.py), exit 2. Both restarted again resume from the newest
     checkpoint and finish."""
     import os
     import re

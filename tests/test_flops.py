@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from prolip_jax import flops
-from prolip_jax.objectives.prolip import Config, prolip_loss
-from prolip_jax.models import get_config, with_overrides
-from prolip_jax.models.prolip import ProLIP, abstract_params, dummy_inputs, random_keep_indices
+from prolip_jax.core import flops
+from prolip_jax.core.objectives.prolip import Config, prolip_loss
+from prolip_jax.core.models import get_config, with_overrides
+from prolip_jax.core.models.prolip import ProLIP, abstract_params, dummy_inputs, random_keep_indices
 
 
 # ------------------------------------------------------------------------- hand-derived numbers

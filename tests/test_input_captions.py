@@ -191,7 +191,7 @@ def _cub_numbers():
 
 
 def test_positive_matrix_from_a_batch_has_the_block_structure(coco, cub):
-    from prolip_jax.targets import positive_matrix
+    from prolip_jax.core.targets import positive_matrix
 
     # one batch = the whole epoch of 40 pairs: every image's 5 captions are in it
     (batch,) = _epoch(_coco_cfg(coco, batch_size=40))
@@ -393,9 +393,10 @@ def test_trainer_feeds_image_id_and_writes_the_noisy_pairs(coco, spm_model, tmp_
     """The trainer's own path (configs/tiny.py + overrides -> build_train_data -> train()):
     image_id reaches the device batch, and <workdir>/noisy_pairs.json is written before the
     checkpoint manager starts (train() is stopped there: no step is compiled)."""
-    from prolip_jax import sharding, train
+    from prolip_jax.core import sharding
+    from prolip_jax import train
     from prolip_jax.trainer import build as trainer_build, checkpoints as trainer_checkpoints, config as trainer_config
-    from prolip_jax.data import build_train_data
+    from prolip_jax.trainer.data import build_train_data
 
     args = ["prolip_jax.train", "--config", "configs/tiny.py:size=micro", "--workdir", str(tmp_path / "w"),
             "--config.data.source=coco_karpathy", f"--config.data.caption_file={coco[0]}",

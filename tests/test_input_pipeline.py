@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from input_pipeline import pipeline
-from input_pipeline.paths import expand_braces, expand_paths
-from prolip_jax.normalization import normalize_on_device
+from input_pipeline.shards import expand_braces, expand_paths
+from prolip_jax.core.normalization import normalize_on_device
 from conftest import ALL_KEYS, NUM_SHARDS, PER_SHARD, KeyTokenizer, make_shard_data
 
 N = NUM_SHARDS * PER_SHARD

@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from input_pipeline import transforms as T
-from prolip_jax import normalization as N
+from prolip_jax.core import normalization as N
 
 
 def _noise_image(w, h, seed=0):

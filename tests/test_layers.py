@@ -1,12 +1,14 @@
 """The house rules of the import graph, checked from the source (an AST scan, nothing imported).
 
-Layers, bottom to top (docs/design.md): the core (models, objectives, distances, step, optim,
-sharding, checkpoint, ...), `input_pipeline`, `evaluators`, and the top that wires them together
-(the trainer, the Python API, the export, `scripts/`, `benchmarks/`). A module imports only from
-its own layer or below; there is no cycle, function-level imports counted; and the libraries
-import the project's own modules at the top of a file, never inside a function (which is how
-cycles hide). Commands (`scripts/`, `benchmarks/`) may import late: nothing imports them, and
-they set XLA_FLAGS or answer --help before jax loads.
+Layers, bottom to top (docs/design.md), each a folder: the runtime plumbing (prolip_jax/runtime/:
+paths, config typing, messages, metrics, processes), the core (prolip_jax/core/: models,
+objectives, step, optim, sharding, checkpoint, ...), `input_pipeline`, `evaluators`, and the top
+that wires them together (the rest of prolip_jax/: the trainer, the Python API, the export and
+conversion; `scripts/`, `benchmarks/`). A module imports only from its own layer or below; there
+is no cycle, function-level imports counted; and the libraries import the project's own modules
+at the top of a file, never inside a function (which is how cycles hide). Commands (`scripts/`,
+`benchmarks/`) may import late: nothing imports them, and they set XLA_FLAGS or answer --help
+before jax loads.
 """
 from __future__ import annotations
 
@@ -15,10 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("prolip_jax", "input_pipeline", "evaluators", "scripts", "benchmarks")
-# The modules of the prolip_jax package that sit at the top (they wire data, model, objective
-# and evaluators); every other prolip_jax module is the core.
-TOP_OF_PROLIP_JAX = ("prolip_jax.train", "prolip_jax.data", "prolip_jax.api", "prolip_jax.export")
-LAYER = {"core": 0, "input_pipeline": 1, "evaluators": 2, "top": 3}
+LAYER = {"runtime": 0, "core": 1, "input_pipeline": 2, "evaluators": 3, "top": 4}
 
 
 def module_name(path: Path) -> str:
@@ -29,12 +28,17 @@ def module_name(path: Path) -> str:
 
 
 def layer_of(module: str) -> str:
-    package = module.split(".")[0]
-    if package == "prolip_jax":
-        return "top" if module.startswith(TOP_OF_PROLIP_JAX) else "core"
-    if package in ("scripts", "benchmarks"):
+    """The layer of a module: its folder in prolip_jax/ (runtime/, core/; anything else there is
+    the top), its package otherwise. The bare `prolip_jax` package (its __init__ loads the API
+    lazily) sits with the runtime: every import of a core module passes through it."""
+    parts = module.split(".")
+    if parts[0] == "prolip_jax":
+        if len(parts) == 1:
+            return "runtime"
+        return parts[1] if parts[1] in ("runtime", "core") else "top"
+    if parts[0] in ("scripts", "benchmarks"):
         return "top"
-    return package
+    return parts[0]
 
 
 def project_modules() -> dict[str, Path]:
@@ -166,5 +170,5 @@ def test_the_registry_is_part_of_the_graph():
 def test_the_scan_sees_cycles_and_layers():
     """The checks above can fail: a made-up cycle and an upward import are found."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert layer_of("prolip_jax.step") == "core" and layer_of("prolip_jax.train") == "top"
-    assert LAYER[layer_of("input_pipeline.pipeline")] > LAYER[layer_of("prolip_jax.models.vit")]
+    assert layer_of("prolip_jax.core.step") == "core" and layer_of("prolip_jax.train") == "top"
+    assert LAYER[layer_of("input_pipeline.pipeline")] > LAYER[layer_of("prolip_jax.core.models.vit")]

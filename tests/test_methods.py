@@ -13,7 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from prolip_jax import config_args, objectives, targets, train
+from prolip_jax.runtime import config_args
+from prolip_jax.core import objectives, targets
+from prolip_jax import train
 from prolip_jax.trainer import build as trainer_build, config as trainer_config
 
 from conftest import xla_flags
@@ -72,7 +74,7 @@ def validate(config, mesh):
 
 
 def test_bad_combinations_stop_before_compiling():
-    from prolip_jax import sharding
+    from prolip_jax.core import sharding
 
     mesh = sharding.make_mesh((-1, 1, 1), ("data", "fsdp", "tensor"))
     _, config = methods_config("method=vse")

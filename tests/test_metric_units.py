@@ -14,7 +14,7 @@ from PIL import Image
 
 import evaluators
 from evaluators import retrieval, suite, uncertainty, zeroshot
-from prolip_jax import step
+from prolip_jax.core import step
 
 DEMO = dict(image_size=16, num_train=200, num_zeroshot=36, num_retrieval=20, num_levels=10)
 
@@ -56,7 +56,7 @@ def check_units(metrics: dict[str, float]) -> dict[str, list[str]]:
 
 @pytest.fixture(scope="module")
 def micro():
-    from prolip_jax.models import ProLIP, get_config, init_params
+    from prolip_jax.core.models import ProLIP, get_config, init_params
 
     config = get_config("micro")
     return config, ProLIP(config), init_params(config, jax.random.key(0))
@@ -167,7 +167,7 @@ def test_perfect_cases_score_100(micro, demo, monkeypatch):
 
 
 def test_trainer_and_evaluator_sigma2_agree(micro, tmp_path):
-    """The trainer's `sigma2_trace/<side>` (prolip_jax.step) and the uncertainty evaluator's
+    """The trainer's `sigma2_trace/<side>` (prolip_jax.core.step) and the uncertainty evaluator's
     `<side>_sigma2_trace_mean` are the same number on the same model and inputs."""
     config, model, params = micro
     rng = np.random.default_rng(0)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from prolip_jax.metrics import MetricWriter, format_duration, format_value, read_jsonl, read_tensorboard_scalars
+from prolip_jax.runtime.metrics import MetricWriter, format_duration, format_value, read_jsonl, read_tensorboard_scalars
 
 
 def _strict_json(line: str) -> dict:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import max_rel_err
-from prolip_jax.models import (VARIANTS, ProLIP, ProLIPConfig, abstract_params, count_params, get_config,
+from prolip_jax.core.models import (VARIANTS, ProLIP, ProLIPConfig, abstract_params, count_params, get_config,
                                init_params, mask_text_tokens, num_kept_patches, random_keep_indices)
 
 TOL = 1e-5  # max |a - e| / max |e| over each output array, float32
@@ -199,7 +199,7 @@ def test_deterministic_tower_layouts():
     and names shared with ProLIP (so a partial load into a ProLIP matches by name)."""
     import dataclasses
 
-    from prolip_jax.models.config import TextConfig, VisionConfig
+    from prolip_jax.core.models.config import TextConfig, VisionConfig
 
     prolip = get_config("tiny")
     v, t = prolip.vision, prolip.text
@@ -231,7 +231,7 @@ def test_deterministic_tower_layouts():
 
 
 def test_materialize_cotangent_is_the_identity_and_fences_only_on_cpu():
-    from prolip_jax.models.transformer import materialize_cotangent
+    from prolip_jax.core.models.transformer import materialize_cotangent
 
     x = jnp.linspace(-2.0, 3.0, 12).reshape(3, 4)
     f = lambda x: jnp.sum(jnp.sin(materialize_cotangent(x)) * x)  # noqa: E731
@@ -250,7 +250,7 @@ def test_materialize_cotangent_is_the_identity_and_fences_only_on_cpu():
 def test_dense_gradients_and_their_cpu_form(d_in, d_out):
     """dense's value and both gradients against float64 numpy (float32, rel 1e-6); on CPU the
     kernel gradient goes through barriers (explicit transposes), elsewhere it is autodiff's dot."""
-    from prolip_jax.models.transformer import dense
+    from prolip_jax.core.models.transformer import dense
 
     rng = np.random.default_rng(0)
     x, k, w = (rng.standard_normal(s).astype(np.float32) for s in ((2, 3, d_in), (d_in, d_out), (2, 3, d_out)))
@@ -271,7 +271,7 @@ def test_dense_gradients_and_their_cpu_form(d_in, d_out):
 def test_layer_norm_gradients_against_float64_finite_differences():
     """layer_norm's closed-form backward against central differences of its forward in float64
     numpy (h = 1e-6); the float32 gradients within 2e-5 of the largest entry."""
-    from prolip_jax.models.transformer import layer_norm
+    from prolip_jax.core.models.transformer import layer_norm
 
     rng = np.random.default_rng(0)
     x, w = rng.standard_normal((2, 3, 5)) * 3 + 1, rng.standard_normal((2, 3, 5))  # w = dL/dy
@@ -303,7 +303,7 @@ def test_layer_norm_gradients_against_float64_finite_differences():
 def test_attention_xla_equals_jax_and_is_cpu_only(causal, s):
     """attention_xla (on CPU: heads-major einsums) against jax.nn.dot_product_attention: values
     and the three gradients within float32 rounding (rel 1e-5); other platforms get jax's own."""
-    from prolip_jax.models.transformer import attention_xla
+    from prolip_jax.core.models.transformer import attention_xla
 
     rng = np.random.default_rng(0)
     t = s if causal else 5
@@ -331,7 +331,7 @@ def test_the_mesh_platform_picks_the_branch_while_tracing(platform):
     gradients are bitwise those of the undecided program."""
     from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-    from prolip_jax.models.transformer import attention_xla, dense, materialize_cotangent
+    from prolip_jax.core.models.transformer import attention_xla, dense, materialize_cotangent
 
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((2, 5, 3, 8)), jnp.float32) for _ in range(3))

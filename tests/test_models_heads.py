@@ -12,11 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from prolip_jax import convert, sharding
-from prolip_jax.models import ProLIP, ProLIPConfig, abstract_params, dummy_inputs, get_config
-from prolip_jax.models.config import with_overrides
-from prolip_jax.models.heads import GPO, size_augment_keep, size_augment_tokens
-from prolip_jax.models.text import TextTower
+from prolip_jax.core import convert
+from prolip_jax.core import sharding
+from prolip_jax.core.models import ProLIP, ProLIPConfig, abstract_params, dummy_inputs, get_config
+from prolip_jax.core.models.config import with_overrides
+from prolip_jax.core.models.heads import GPO, size_augment_keep, size_augment_tokens
+from prolip_jax.core.models.text import TextTower
 from prolip_jax import export
 
 

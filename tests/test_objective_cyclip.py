@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from prolip_jax import objectives, sharding
-from prolip_jax.objectives import cyclip
+from prolip_jax.core import objectives, sharding
+from prolip_jax.core.objectives import cyclip
 
 RTOL = 1e-5
 

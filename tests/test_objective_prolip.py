@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from prolip_jax.objectives import distances, prolip
-from prolip_jax.objectives.prolip import ppcl
+from prolip_jax.core.objectives import distances, prolip
+from prolip_jax.core.objectives.prolip import ppcl
 
 SETTINGS = {"epsm20_c1000": (-20.0, 1000.0), "epsm100_c10": (-100.0, 10.0), "eps0_c1": (0.0, 1.0)}
 SOURCES = {"model": ("image", "text", "masked_image", "masked_text"),

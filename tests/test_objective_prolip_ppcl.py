@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from prolip_jax.objectives.prolip import ppcl
+from prolip_jax.core.objectives.prolip import ppcl
 from conftest import max_rel_err
 
 TOL = 1e-5

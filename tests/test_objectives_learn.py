@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import OPTIMIZED
-from prolip_jax import objectives
+from prolip_jax.core import objectives
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,8 +17,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jax.test_util import check_grads
 
-from prolip_jax import objectives, sharding
-from prolip_jax.objectives import contrastive, distances, pcmepp, pishdad
+from prolip_jax.core import objectives, sharding
+from prolip_jax.core.objectives import contrastive, distances, pcmepp, pishdad
 
 RTOL = 1e-5
 NAMES = ("pcmepp", "pishdad", "clip", "siglip", "vse")

@@ -23,8 +23,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
-from prolip_jax import objectives, schema, sharding
-from prolip_jax.objectives import daa, pcme, smooth_ap
+from prolip_jax.core import objectives, sharding
+from prolip_jax.runtime import schema
+from prolip_jax.core.objectives import daa, pcme, smooth_ap
 
 RTOL = 1e-5
 NAMES = ("pcme", "pcme_daa", "vse_daa", "smooth_ap")

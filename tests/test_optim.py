@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from prolip_jax import optim
+from prolip_jax.core import optim
 
 OPTIM = dict(lr=1e-3, warmup_steps=2, b1=0.9, b2=0.95, eps=1e-6, weight_decay=0.2, clip_norm=0.0, end_lr=0.0)
 TOTAL = 10
@@ -262,7 +262,7 @@ def test_transfer_state_across_layouts_by_path():
 def test_tree_map_params_shards_partitioned_state():
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from prolip_jax import sharding
+    from prolip_jax.core import sharding
 
     mesh = sharding.make_mesh((-1,), ("data",), jax.devices()[:2])
     params = make_tree()
@@ -290,7 +290,7 @@ def test_tree_map_params_shards_partitioned_state():
 
 
 def test_works_on_the_model_parameter_tree():
-    from prolip_jax.models import abstract_params, get_config
+    from prolip_jax.core.models import abstract_params, get_config
 
     params = abstract_params(get_config("micro"))
     cfg = {**OPTIM, "locked": ("^visual/",), "unlock_step": 5, "layer_decay": 0.7,

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 
-from prolip_jax import optim
+from prolip_jax.core import optim
 
 OPTIM = dict(lr=1e-2, warmup_steps=0, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.5, clip_norm=0.0, end_lr=0.0)
 ADAMP = dict(name="adamp", schedule="step", step_boundaries=(3,), step_factor=0.1)
@@ -577,7 +577,7 @@ def test_bad_recipe_settings_are_refused(extra, message):
 
 
 def test_optim_config_validates_and_parses_the_recipe_fields():
-    from prolip_jax import schema
+    from prolip_jax.runtime import schema
 
     with pytest.raises(ValueError, match="optim.swa_start_step=3 has no effect"):
         optim.OptimConfig(swa_start_step=3).validate()

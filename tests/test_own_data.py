@@ -222,7 +222,7 @@ def _micro_args(tmp_path, spm_model):
 def test_recipe_training_batches_from_png_tar_shards(tmp_path, spm_model):
     """configs/own_data.py + overrides -> the trainer's data: PNG + caption shards, the
     SentencePiece model, pad = EOS = 1, and the [MASK] id (3) never emitted by the tokenizer."""
-    from prolip_jax.data import build_train_data
+    from prolip_jax.trainer.data import build_train_data
 
     _tar_shards(tmp_path / "shards")
     config, _ = train.parse_command_line(["prolip_jax.train", "--config", OWN, "--workdir", "/unused",
@@ -242,8 +242,8 @@ def test_recipe_training_batches_from_png_tar_shards(tmp_path, spm_model):
 def test_recipe_evaluate_a_checkpoint_with_overrides(tmp_path, spm_model, micro, capsys):
     """scripts/evaluate.py --config configs/eval/imagefolder.py:evals=zeroshot+retrieval with
     `--config.*` overrides on a checkpoint: zero-shot named after the folder, retrieval on tars."""
-    from prolip_jax import checkpoint
-    from prolip_jax.models import get_config
+    from prolip_jax.core import checkpoint
+    from prolip_jax.core.models import get_config
 
     model, params = micro
     checkpoint.save_params(tmp_path / "ckpt", params, get_config("micro"), step=3)

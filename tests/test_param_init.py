@@ -1,4 +1,4 @@
-"""The train state drawn parameter by parameter (prolip_jax/param_init.py) is the one-program
+"""The train state drawn parameter by parameter (prolip_jax/core/param_init.py) is the one-program
 `jax.jit(model.init)` state bit for bit, laid out the same, on a sharded mesh; models it cannot
 follow (scanned layers) fall back to that program."""
 import flax.core.scope as flax_scope
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from conftest import OPTIMIZED
 
-from prolip_jax import optim, param_init, sharding
-from prolip_jax import step as S
-from prolip_jax.models import ProLIP, dummy_inputs, get_config
+from prolip_jax.core import optim, param_init, sharding
+from prolip_jax.core import step as S
+from prolip_jax.core.models import ProLIP, dummy_inputs, get_config
 
 MICRO = get_config("micro")  # its q, k and v kernels (one shape, one initialiser) share a program
 OPTIM = dict(lr=1e-3, warmup_steps=2, b1=0.9, b2=0.95, eps=1e-6, weight_decay=0.2)

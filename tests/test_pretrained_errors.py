@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from prolip_jax import convert
-from prolip_jax.pretrained.loader import load_pretrained
+from prolip_jax.core import convert
+from prolip_jax.core.pretrained.loader import load_pretrained
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import convert_from_pytorch  # noqa: E402

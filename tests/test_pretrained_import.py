@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prolip_jax import convert
-from prolip_jax.models.config import ProLIPConfig
-from prolip_jax.models.prolip import ProLIP
-from prolip_jax.pretrained import bigvision
-from prolip_jax.pretrained.loader import load_pretrained
-from prolip_jax.pretrained.openclip import config_from_open_clip
+from prolip_jax.core import convert
+from prolip_jax.core.models.config import ProLIPConfig
+from prolip_jax.core.models.prolip import ProLIP
+from prolip_jax.core.pretrained import bigvision
+from prolip_jax.core.pretrained.loader import load_pretrained
+from prolip_jax.core.pretrained.openclip import config_from_open_clip
 from prolip_jax import export
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

@@ -1,4 +1,4 @@
-"""Warm starts (`prolip_jax.pretrained.warm_start`): CLIP / SigLIP / ProLIP sources into a ProLIP,
+"""Warm starts (`prolip_jax.core.pretrained.warm_start`): CLIP / SigLIP / ProLIP sources into a ProLIP,
 with the reference's resizes checked against hand-computed float64 values."""
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import pytest
 
-from prolip_jax.models.config import get_config
-from prolip_jax.models.prolip import ProLIP, abstract_params, init_params
-from prolip_jax.pretrained.warm_start import (DEFAULTS, bicubic_aa_matrix, init_from_config, linear_matrix,
+from prolip_jax.core.models.config import get_config
+from prolip_jax.core.models.prolip import ProLIP, abstract_params, init_params
+from prolip_jax.core.pretrained.warm_start import (DEFAULTS, bicubic_aa_matrix, init_from_config, linear_matrix,
                                               warm_start)
 
 DATA = Path(__file__).parent / "data" / "pretrained"
@@ -175,7 +175,7 @@ def test_siglip_from_config_init(tmp_path):
     tgt = siglip_target()
     fresh = init(tgt, 0)
     params, report = init_from_config({"path": str(DATA / "siglip_bigvision_tiny.npz")}, tgt, fresh)
-    from prolip_jax.pretrained.loader import load_pretrained
+    from prolip_jax.core.pretrained.loader import load_pretrained
 
     _, source, _ = load_pretrained(DATA / "siglip_bigvision_tiny.npz")
     assert report.format == "big_vision"
@@ -253,7 +253,7 @@ def test_config_init_from_an_open_clip_file(tmp_path):
     saves it; the importer's filled-in logit_bias counts as absent, so a and b restart at 10, -10."""
     from safetensors.numpy import save_file
 
-    from prolip_jax import convert
+    from prolip_jax.core import convert
 
     src_cfg = clip_like(MICRO)
     source = init(src_cfg, 1)

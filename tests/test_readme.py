@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from prolip_jax import config_args
+from prolip_jax.runtime import config_args
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -132,7 +132,7 @@ def _has_knob(config, dotted: str) -> bool:
 
 def _declared_knob(spec: str, dotted: str) -> bool:
     """A field the trainer's help lists for `spec`: set by the file or declared with a default."""
-    from prolip_jax import train_flags
+    from prolip_jax.runtime import train_flags
 
     listed = {name.split(" ")[0]: fields for name, fields in train_flags.config_fields(f"{ROOT}/{spec}")}
     parts = dotted.split(".")

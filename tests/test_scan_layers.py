@@ -21,14 +21,15 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import tiny as tiny_config
-from prolip_jax import checkpoint, convert, optim, sharding
-from prolip_jax import step as S
+from prolip_jax.core import checkpoint, optim, sharding
+from prolip_jax.core import convert
+from prolip_jax.core import step as S
 from prolip_jax.trainer import build as trainer_build, config as trainer_config, state as trainer_state
-from prolip_jax.models import ProLIP, abstract_params, get_config
-from prolip_jax.models.layout import layout_of, to_layout
-from prolip_jax.models.transformer import REMAT_POLICIES
-from prolip_jax.objectives import prolip as prolip_objective
-from prolip_jax.pretrained import warm_start
+from prolip_jax.core.models import ProLIP, abstract_params, get_config
+from prolip_jax.core.models.layout import layout_of, to_layout
+from prolip_jax.core.models.transformer import REMAT_POLICIES
+from prolip_jax.core.objectives import prolip as prolip_objective
+from prolip_jax.core.pretrained import warm_start
 
 
 def assert_tree_close(scanned, unrolled, rtol=1e-5, atol_frac=1e-6):
@@ -109,7 +110,7 @@ def test_deep_abstract_params_are_the_unrolled_trace(variant):
     """`abstract_params` traces a deep model scanned and unrolls the shapes: the same tree as the
     unrolled trace, key order included (the heads' forks and duplicated blocks at depth 6)."""
     from flax import traverse_util
-    from prolip_jax.models.prolip import SCAN_TRACE_MIN_LAYERS, dummy_inputs
+    from prolip_jax.core.models.prolip import SCAN_TRACE_MIN_LAYERS, dummy_inputs
 
     cfg = get_config(variant)
     deep = max(SCAN_TRACE_MIN_LAYERS, 6)
@@ -262,7 +263,7 @@ def test_validate_refuses_per_block_optimizers():
 @pytest.mark.parametrize("fork_after", [0, 1, 2])
 def test_encoder_fork_points(fork_after):
     """The stream after block fork_after - 1 (the input itself for 0: unc_layers == layers)."""
-    from prolip_jax.models.transformer import Encoder, block_init
+    from prolip_jax.core.models.transformer import Encoder, block_init
 
     enc = Encoder(2, 2, 32, 1e-5, "gelu", block_init(16, 2, 32, "torch"), attention_impl="xla")
     x = np.random.default_rng(2).normal(size=(2, 5, 16)).astype(np.float32)

@@ -22,11 +22,11 @@ import numpy as np
 import optax
 import pytest
 
-from prolip_jax import optim, sharding
-from prolip_jax import step as S
-from prolip_jax.models import ProLIP, get_config
-from prolip_jax.models.transformer import BlockLevers
-from prolip_jax.objectives import prolip as prolip_objective
+from prolip_jax.core import optim, sharding
+from prolip_jax.core import step as S
+from prolip_jax.core.models import ProLIP, get_config
+from prolip_jax.core.models.transformer import BlockLevers
+from prolip_jax.core.objectives import prolip as prolip_objective
 
 B = 16
 CFG = S.StepConfig(masking=S.MaskingConfig(fraction=0.5, group=4, mask_token_id=63),

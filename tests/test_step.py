@@ -16,10 +16,10 @@ import numpy as np
 import optax
 import pytest
 
-from prolip_jax import optim, sharding
-from prolip_jax import step as S
-from prolip_jax.objectives import prolip as prolip_objective
-from prolip_jax.models import ProLIP, get_config
+from prolip_jax.core import optim, sharding
+from prolip_jax.core import step as S
+from prolip_jax.core.objectives import prolip as prolip_objective
+from prolip_jax.core.models import ProLIP, get_config
 
 B = 32
 CFG = S.StepConfig(masking=S.MaskingConfig(fraction=0.5, group=4, mask_token_id=63),
@@ -119,7 +119,7 @@ def test_microbatches_match_one_batch(setup, initial, single):
 
 def test_key_bias_gradient_is_noise(setup):
     model, _, _, batch = setup
-    from prolip_jax.models import init_params
+    from prolip_jax.core.models import init_params
 
     params = init_params(model.config, jax.random.key(0))
     grads = jax.jit(jax.grad(
@@ -192,7 +192,7 @@ def test_logit_scale_is_clamped():
 
 
 def test_decay_mask_follows_reference_rule(setup):
-    from prolip_jax.models import abstract_params
+    from prolip_jax.core.models import abstract_params
 
     mask = optim.decay_mask(abstract_params(setup[0].config))
     attn = mask["visual"]["transformer"]["resblocks_0"]["attn"]
@@ -229,7 +229,7 @@ def test_size_augment_runs_in_the_step_and_cached_gradients_see_the_same_drops()
     the same loss written directly (features per microbatch with the step's keys, then the loss
     on the whole batch), float32, <= 1e-5 relative. SGD with lr 1 exposes the gradient as the
     update (log a left out: its clamp bends the update)."""
-    from prolip_jax.objectives import pcmepp
+    from prolip_jax.core.objectives import pcmepp
 
     cfg = get_config("micro", vision={"unc_head": "embedding", "pool": "gpo", "size_augment": 0.25})
     model = ProLIP(cfg, attention_impl="xla")

@@ -1,4 +1,4 @@
-"""prolip_jax/supervise.py with stand-in trainers (plain Python children, no jax): a C++ abort
+"""prolip_jax/runtime/supervise.py with stand-in trainers (plain Python children, no jax): a C++ abort
 becomes one line and a report in the workdir's log, a C++ warning passes through, exit codes and
 SIGTERM pass through. The real case, a killed coordinator: tests/test_faults.py."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from prolip_jax import supervise
+from prolip_jax.runtime import supervise
 
 WARNING = "W1126 12:00:00.000001   77 preemption_sync_manager.cc:147] Failed to retrieve preemption notice"
 FATAL = ("F1126 12:00:00.000002   77 client.h:80] Terminating process because the JAX distributed service "
@@ -115,14 +115,14 @@ def test_the_child_dies_with_its_supervisor(tmp_path):
     pid_file, trainer = tmp_path / "child.pid", tmp_path / "trainer.py"
     trainer.write_text(textwrap.dedent(f"""
         import os, pathlib, time
-        from prolip_jax import supervise
+        from prolip_jax.runtime import supervise
         supervise.die_with_parent()
         pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))
         time.sleep(60)
     """))
     parent = subprocess.Popen(child(f"""
         import sys
-        from prolip_jax import supervise
+        from prolip_jax.runtime import supervise
         sys.exit(supervise.run([sys.executable, {str(trainer)!r}], {str(tmp_path)!r}, 0, 2))
     """))
     deadline = time.time() + 60
@@ -159,7 +159,7 @@ def test_the_supervisor_of_a_real_launch_loads_no_jax(tmp_path):
                        text=True, timeout=120)
     lines = p.stderr.splitlines()
     imported = {line.split("|")[-1].strip() for line in lines if line.startswith("import time:")}
-    assert "prolip_jax.supervise" in imported and "jax" not in imported and "prolip_jax.step" not in imported
+    assert "prolip_jax.runtime.supervise" in imported and "jax" not in imported and "prolip_jax.core.step" not in imported
     errors = [line for line in lines if not line.startswith("import time:")]
     assert p.returncode == 2 and len(errors) == 1 and "configs/missing.py" in errors[0], p.stderr[-2000:]
 
@@ -170,7 +170,7 @@ def test_the_supervisor_of_a_real_launch_loads_no_jax(tmp_path):
     (["--workdirs=X", "--config"], {"workdir": None, "config": None}),
 ])
 def test_flags_are_read_before_absl(argv, expected):
-    from prolip_jax import train_flags
+    from prolip_jax.runtime import train_flags
 
     for name, value in expected.items():
         assert train_flags.flag_value(["train.py", *argv], name) == value

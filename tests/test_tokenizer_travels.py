@@ -94,8 +94,8 @@ def test_train_tokenizer_keeps_words_whole_and_reserves_mask(shards, tmp_path):
 
 # ------------------------------------------------------------------------ masking ids
 def test_masking_ids_must_be_reserved_tokens(tok_path, caplog):
-    from prolip_jax.data import check_masking
-    from prolip_jax.step import MaskingConfig
+    from prolip_jax.trainer.data import check_masking
+    from prolip_jax.core.step import MaskingConfig
 
     tok = build_tokenizer("sentencepiece", tok_path, context_length=8)
     check_masking(tok, MaskingConfig(mask_token_id=3, protected_ids=(1,)), 512)
@@ -161,7 +161,7 @@ def test_truncated_prompts_are_warned(tok_path, caplog):
 # ------------------------------------------------------------------------ a trained checkpoint
 def _config(tmp_path, path, tok_path):
     """configs/tiny.py with the micro model (its vocabulary raised to fit the tokenizer) on the shards."""
-    from prolip_jax.models import get_config
+    from prolip_jax.core.models import get_config
     from test_train import tiny_config
 
     model = get_config("micro").to_dict()
@@ -179,16 +179,16 @@ def _config(tmp_path, path, tok_path):
 @pytest.fixture(scope="module")
 def trained(shards, tok_path, tmp_path_factory):
     """A trainer checkpoint of the run `_config` describes: the trainer's data object
-    (prolip_jax.data.build_train_data) and its save (checkpoint.save_train_state), with random
+    (prolip_jax.trainer.data.build_train_data) and its save (checkpoint.save_train_state), with random
     parameters in place of trained ones. A real run compiles the train step (~60 s of CPU cold);
     what this tests happens outside the step."""
     import jax
     import orbax.checkpoint as ocp
 
-    from prolip_jax import checkpoint
+    from prolip_jax.core import checkpoint
     from prolip_jax.trainer import build as trainer_build, config as trainer_config
-    from prolip_jax.data import build_train_data
-    from prolip_jax.models import abstract_params
+    from prolip_jax.trainer.data import build_train_data
+    from prolip_jax.core.models import abstract_params
 
     tmp = tmp_path_factory.mktemp("run")
     cfg = trainer_config.with_defaults(_config(tmp, shards[0], tok_path))
@@ -211,7 +211,7 @@ def test_checkpoint_records_the_tokenizer_and_load_uses_it(trained, tok_path):
     import hashlib
 
     import prolip_jax
-    from prolip_jax import checkpoint
+    from prolip_jax.core import checkpoint
 
     workdir, captions = trained
     sha = hashlib.sha256(tok_path.read_bytes()).hexdigest()
@@ -246,7 +246,7 @@ def test_checkpoint_records_the_tokenizer_and_load_uses_it(trained, tok_path):
 
 
 def test_best_checkpoint_records_the_tokenizer(trained, tmp_path):
-    from prolip_jax import checkpoint
+    from prolip_jax.core import checkpoint
 
     params, config, _ = checkpoint.load_params(trained[0] / "checkpoints")
     tf = tokenizer_files.file_from_checkpoint(trained[0] / "checkpoints")

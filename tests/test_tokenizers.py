@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from input_pipeline import tokenizers as T
-from prolip_jax import paths
+from prolip_jax.runtime import paths
 
 # ---------------------------------------------------------------------------------------------
 # Cleaning (reference: open_clip 2.24 / prolip tokenizer.py `canonicalize`, `lower`, `whitespace`).

@@ -18,8 +18,8 @@ import jax  # noqa: E402
 
 import prolip_jax  # noqa: E402
 from conftest import max_rel_err  # noqa: E402
-from prolip_jax import convert  # noqa: E402
-from prolip_jax.models import get_config, init_params  # noqa: E402
+from prolip_jax.core import convert  # noqa: E402
+from prolip_jax.core.models import get_config, init_params  # noqa: E402
 from prolip_jax import export
 from torch_reference import TorchProLIP  # noqa: E402
 

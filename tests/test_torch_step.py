@@ -14,11 +14,12 @@ torch = pytest.importorskip("torch")
 
 import jax  # noqa: E402
 
-from prolip_jax import convert, optim, sharding  # noqa: E402
-from prolip_jax import step as S  # noqa: E402
-from prolip_jax.models import ProLIP, get_config  # noqa: E402
-from prolip_jax.models.prolip import mask_text_tokens, random_keep_indices  # noqa: E402
-from prolip_jax.objectives import prolip as prolip_objective  # noqa: E402
+from prolip_jax.core import convert  # noqa: E402
+from prolip_jax.core import optim, sharding
+from prolip_jax.core import step as S  # noqa: E402
+from prolip_jax.core.models import ProLIP, get_config  # noqa: E402
+from prolip_jax.core.models.prolip import mask_text_tokens, random_keep_indices  # noqa: E402
+from prolip_jax.core.objectives import prolip as prolip_objective  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from torch_step import TorchTrainStep  # noqa: E402  (benchmarks/torch_step.py)
@@ -43,7 +44,7 @@ def test_torch_step_matches_ours():
     new_state, metrics = jax.jit(S.make_train_step(model, tx, schedule, CFG, mesh, B))(
         state, sharding.global_batch({"image": images, "text": tokens}, mesh))
 
-    # The masked inputs our step draws at step 0 (prolip_jax/step.py train_step).
+    # The masked inputs our step draws at step 0 (prolip_jax/core/step.py train_step).
     mk = CFG.masking
     rng_img, rng_txt, _, _ = jax.random.split(jax.random.fold_in(jax.random.key(CFG.seed), 0), 4)
     m_tokens = mask_text_tokens(rng_txt, S.group_rows(tokens, mk.group, CFG.masked_group_rows), mk.mask_token_id,

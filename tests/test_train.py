@@ -13,10 +13,11 @@ import jax
 import numpy as np
 import pytest
 
-from prolip_jax import checkpoint, train
+from prolip_jax.core import checkpoint
+from prolip_jax import train
 from prolip_jax.trainer import build as trainer_build, config as trainer_config
-from prolip_jax.metrics import read_jsonl
-from prolip_jax.models import ProLIP
+from prolip_jax.runtime.metrics import read_jsonl
+from prolip_jax.core.models import ProLIP
 from input_pipeline import tokenizer_files
 
 N = 3  # steps before the interruption
@@ -220,7 +221,7 @@ def test_nonfinite_from_the_first_step_says_no_checkpoint(tmp_path):
 
 def test_tokenizer_larger_than_the_model_is_refused_before_compiling(tmp_path):
     """Token ids past the embedding table NaN every step; refused up front, naming both sizes."""
-    from prolip_jax.models import get_config
+    from prolip_jax.core.models import get_config
 
     small = get_config("micro").to_dict()
     small["text_cfg"]["vocab_size"] = 16

@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from prolip_jax import checkpoint, convert, train
+from prolip_jax.core import checkpoint
+from prolip_jax.core import convert
+from prolip_jax import train
 from prolip_jax.trainer import build as trainer_build, config as trainer_config
-from prolip_jax.metrics import read_jsonl
-from prolip_jax.models import init_params
-from prolip_jax.pretrained import warm_start
-from prolip_jax.pretrained.openclip import config_from_open_clip
+from prolip_jax.runtime.metrics import read_jsonl
+from prolip_jax.core.models import init_params
+from prolip_jax.core.pretrained import warm_start
+from prolip_jax.core.pretrained.openclip import config_from_open_clip
 from test_train import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,10 +123,10 @@ def test_a_warm_start_that_imports_a_nan_is_never_saved(tmp_path, clip_dir):
 def test_recipes_fit_their_sources(recipe, source_arch):
     """Each recipe of configs/finetune.py is a valid trainer config whose model can be warm-started
     from its source's architecture (shapes only: nothing is downloaded)."""
-    from prolip_jax import config_args
-    from prolip_jax.models import abstract_params, get_config
-    from prolip_jax.pretrained import warm_start
-    from prolip_jax.pretrained.openclip import arch_config
+    from prolip_jax.runtime import config_args
+    from prolip_jax.core.models import abstract_params, get_config
+    from prolip_jax.core.pretrained import warm_start
+    from prolip_jax.core.pretrained.openclip import arch_config
 
     cfg = trainer_config.with_defaults(config_args.load_config_file(f"{ROOT}/configs/finetune.py:recipe={recipe}"))
     target = trainer_build.model_config(trainer_config.parse_config(cfg))

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import xla_flags
-from prolip_jax import checkpoint
+from prolip_jax.core import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--config.log_steps=1"]  # with configs/tiny.py:size=micro (the micro towers, batch 16)
@@ -41,7 +41,7 @@ def _free_port() -> int:
 
 # In-training evaluation on tiny demo splits: every evaluator, each host reading its share.
 EVAL_CONFIG = """
-from prolip_jax import config_args
+from prolip_jax.runtime import config_args
 
 def get_config(arg=None):
     c = config_args.load_config_file("{root}/configs/tiny.py:" + (arg or ""))

@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 
 import evaluators
-from prolip_jax import messages, train, train_flags
+from prolip_jax.runtime import messages, train_flags
+from prolip_jax import train
 from prolip_jax.trainer import config as trainer_config, console as trainer_console
-from prolip_jax.metrics import read_jsonl
-from prolip_jax.models import abstract_params, get_config
-from prolip_jax.pretrained.warm_start import warm_start
+from prolip_jax.runtime.metrics import read_jsonl
+from prolip_jax.core.models import abstract_params, get_config
+from prolip_jax.core.pretrained.warm_start import warm_start
 from test_train import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +37,7 @@ def test_help_is_fast_imports_no_jax_and_shows_the_config_args():
     assert out.returncode == 0, out.stderr[-2000:]
     assert seconds < 1.5, seconds
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line}
-    assert "prolip_jax.train_flags" in imported and not {m for m in imported if m.split(".")[0] == "jax"}
+    assert "prolip_jax.runtime.train_flags" in imported and not {m for m in imported if m.split(".")[0] == "jax"}
     for flag in ("--config FILE[:ARGS]", "--config.FIELD=VALUE", "--workdir DIR", "--coordinator_address",
                  "--num_processes", "--process_id"):
         assert flag in out.stdout, flag

@@ -18,7 +18,7 @@ config), so the same file serves `tiny`, `micro` and full-size models. Expected 
 """
 import ml_collections as mlc
 
-from prolip_jax import config_args
+from prolip_jax.runtime import config_args
 
 ALL = ("zeroshot", "retrieval", "uncertainty")
 OPTIONAL = ("hierarcaps",)

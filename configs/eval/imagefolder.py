@@ -36,7 +36,7 @@ bin; retrieval/tar/csd/i2t_R@1 ... (see evaluators/zeroshot.py, evaluators/retri
 """
 import ml_collections as mlc
 
-from prolip_jax import config_args
+from prolip_jax.runtime import config_args
 
 ALL = ("zeroshot", "retrieval")
 TEMPLATES = ("a photo of a {}.", "a picture of a {}.", "{}")

@@ -13,7 +13,7 @@ Config args (an evaluator whose paths are empty is left out):
 """
 import ml_collections as mlc
 
-from prolip_jax import config_args
+from prolip_jax.runtime import config_args
 
 
 def get_config(arg=None):

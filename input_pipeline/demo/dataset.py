@@ -35,7 +35,7 @@ import numpy as np
 from PIL import Image
 
 from input_pipeline import records, transforms
-from prolip_jax.normalization import normalize
+from prolip_jax.core.normalization import normalize
 from input_pipeline.decode import load_rgb
 from input_pipeline.demo import render
 

@@ -13,12 +13,13 @@ import jax
 import jax.numpy as jnp
 
 import evaluators
-from prolip_jax import objectives, optim, schema, sharding
-from prolip_jax import step as step_lib
-from prolip_jax.data import build_train_data
-from prolip_jax.models import ProLIP, ProLIPConfig, get_config
-from prolip_jax.models.transformer import BlockLevers
-from prolip_jax.pretrained import openclip
+from prolip_jax.core import objectives, optim, sharding
+from prolip_jax.runtime import schema
+from prolip_jax.core import step as step_lib
+from prolip_jax.trainer.data import build_train_data
+from prolip_jax.core.models import ProLIP, ProLIPConfig, get_config
+from prolip_jax.core.models.transformer import BlockLevers
+from prolip_jax.core.pretrained import openclip
 from prolip_jax.trainer.config import RunConfig, TrainConfig
 
 
@@ -124,7 +125,7 @@ class Parts:
     model: ProLIP
     step_config: step_lib.StepConfig
     traced: step_lib.ParamTrace  # model.init traced once: shapes, logical axes, draws
-    data: Any  # this host's training batches (prolip_jax.data.build_train_data)
+    data: Any  # this host's training batches (prolip_jax.trainer.data.build_train_data)
     evaluators: list[tuple[dict, Any]]
 
 

@@ -18,9 +18,10 @@ import jax
 import orbax.checkpoint as ocp
 
 from input_pipeline.tar_source import NoRecordsError
-from prolip_jax import checkpoint as ckpt_lib
-from prolip_jax import optim, paths, step as step_lib
-from prolip_jax.data import DataStalled
+from prolip_jax.core import checkpoint as ckpt_lib
+from prolip_jax.core import optim, step as step_lib
+from prolip_jax.runtime import paths
+from prolip_jax.trainer.data import DataStalled
 from prolip_jax.trainer import config as config_lib
 from prolip_jax.trainer.state import Run, to_host
 

@@ -10,17 +10,18 @@ import dataclasses
 import json
 from typing import Any, Literal
 
-from input_pipeline import paths as data_paths
+from input_pipeline import shards as data_paths
 from input_pipeline.config import AUTO as DATA_AUTO
 from input_pipeline.config import SOURCES as DATA_SOURCES
 from input_pipeline.config import DataConfig
-from prolip_jax import checkpoint as ckpt_lib
-from prolip_jax import objectives, optim, profiling, schema, sharding
-from prolip_jax import step as step_lib
-from prolip_jax.models.config import PAPER_INIT_LOGIT_SCALE
-from prolip_jax.models.transformer import REMAT_POLICIES
-from prolip_jax.pretrained import warm_start
-from prolip_jax.targets import TargetsConfig
+from prolip_jax.core import checkpoint as ckpt_lib
+from prolip_jax.core import objectives, optim, sharding
+from prolip_jax.runtime import profiling, schema
+from prolip_jax.core import step as step_lib
+from prolip_jax.core.models.config import PAPER_INIT_LOGIT_SCALE
+from prolip_jax.core.models.transformer import REMAT_POLICIES
+from prolip_jax.core.pretrained import warm_start
+from prolip_jax.core.targets import TargetsConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +59,11 @@ class RunConfig:
 @dataclasses.dataclass(frozen=True)
 class ModelOptions:
     """`config.model`: which towers, at which precision. `vision` / `text` override fields of
-    the variant's VisionConfig / TextConfig (prolip_jax/models/config.py), e.g. the heads and
+    the variant's VisionConfig / TextConfig (prolip_jax/core/models/config.py), e.g. the heads and
     pooling of the other methods: `model.text = dict(pool="gpo")`."""
 
-    # A name in prolip_jax.models.VARIANTS, or "open_clip:NAME" for the towers of an open_clip
-    # architecture ('open_clip:ViT-B-32-quickgelu', prolip_jax/pretrained/openclip.py ARCHS): the
+    # A name in prolip_jax.core.models.VARIANTS, or "open_clip:NAME" for the towers of an open_clip
+    # architecture ('open_clip:ViT-B-32-quickgelu', prolip_jax/core/pretrained/openclip.py ARCHS): the
     # shape a CLIP warm start needs, with `vision` / `text` adding the method's heads.
     variant: str = "tiny"
     config_json: str = ""  # or a reference config.json (any size), used instead of `variant`
@@ -87,18 +88,18 @@ class ModelOptions:
 
 
 # The config's sections and the dataclass declaring each one's fields, beside the code that uses
-# them. `loss` is the selected objective's Config (prolip_jax/objectives/); `data` is
+# them. `loss` is the selected objective's Config (prolip_jax/core/objectives/); `data` is
 # input_pipeline.DataConfig (validated by the pipeline when it is built, before compiling).
 SECTIONS: dict[str, type] = {
     "model": ModelOptions,
     "masking": step_lib.MaskingConfig,  # ProLIP's masked forward
-    "step": step_lib.StepOptions,  # how the step computes: speed levers, same result (prolip_jax/step.py)
-    "targets": TargetsConfig,  # positives and MSDA (prolip_jax/targets.py)
+    "step": step_lib.StepOptions,  # how the step computes: speed levers, same result (prolip_jax/core/step.py)
+    "targets": TargetsConfig,  # positives and MSDA (prolip_jax/core/targets.py)
     "optim": optim.OptimConfig,
     "mesh": sharding.MeshConfig,
-    "init": warm_start.InitConfig,  # a pretrained model to start from (prolip_jax/pretrained/warm_start.py)
-    "keep_best": ckpt_lib.KeepBestConfig,  # the best checkpoint by a metric (prolip_jax/checkpoint.py)
-    "profile": profiling.ProfileConfig,  # a jax.profiler trace of a few steps (prolip_jax/profiling.py)
+    "init": warm_start.InitConfig,  # a pretrained model to start from (prolip_jax/core/pretrained/warm_start.py)
+    "keep_best": ckpt_lib.KeepBestConfig,  # the best checkpoint by a metric (prolip_jax/core/checkpoint.py)
+    "profile": profiling.ProfileConfig,  # a jax.profiler trace of a few steps (prolip_jax/runtime/profiling.py)
 }
 
 
@@ -117,10 +118,10 @@ class TrainConfig:
     init: warm_start.InitConfig
     keep_best: ckpt_lib.KeepBestConfig
     profile: profiling.ProfileConfig
-    objective: str  # a name in prolip_jax.objectives.REGISTRY
+    objective: str  # a name in prolip_jax.core.objectives.REGISTRY
     loss: Any  # that objective's Config
     # `config.data` as a dict, its keys and source checked: the pipeline builds its DataConfig from
-    # it with what only the model knows (prolip_jax/data.py), and "random" needs no pipeline.
+    # it with what only the model knows (prolip_jax/trainer/data.py), and "random" needs no pipeline.
     data: dict[str, Any]
 
     @property

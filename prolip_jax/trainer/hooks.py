@@ -16,15 +16,16 @@ from typing import Any
 
 import jax
 
-from prolip_jax import checkpoint as ckpt_lib
-from prolip_jax import flops as flops_lib
-from prolip_jax import messages, optim, profiling
-from prolip_jax import step as step_lib
-from prolip_jax.metrics import MetricWriter
+from prolip_jax.core import checkpoint as ckpt_lib
+from prolip_jax.core import flops as flops_lib
+from prolip_jax.runtime import messages, profiling
+from prolip_jax.core import optim
+from prolip_jax.core import step as step_lib
+from prolip_jax.runtime.metrics import MetricWriter
 from prolip_jax.trainer.checkpoints import Checkpoints
 from prolip_jax.trainer.console import console_lines, headline
 from prolip_jax.trainer.state import Run, save_swa, to_host
-from prolip_jax.window import Window
+from prolip_jax.runtime.window import Window
 
 
 class StopRun(Exception):
@@ -55,7 +56,7 @@ def is_log_step(run: Run, every: int) -> bool:
 
 
 class Profile(Hook):
-    """A jax.profiler trace of config.profile's steps (prolip_jax/profiling.py)."""
+    """A jax.profiler trace of config.profile's steps (prolip_jax/runtime/profiling.py)."""
 
     def __init__(self, run: Run):
         self.profiler = profiling.Profiler(run.tc.profile, run.workdir, run.tc.run.total_steps, run.is_chief)

@@ -3,7 +3,7 @@
 The parts are built and checked first (build.py), then the workdir comes into being, the state
 starts fresh, warm or from the newest intact checkpoint (state.py), and the loop below runs the
 steps; everything else a step does is a hook (hooks.py). Library logging (orbax, grain, absl)
-goes to WORKDIR/train.log, not the console (prolip_jax/library_logs.py).
+goes to WORKDIR/train.log, not the console (prolip_jax/runtime/library_logs.py).
 """
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from typing import Any, Sequence
 import jax
 
 from input_pipeline.captions import write_noisy_pairs
-from prolip_jax import checkpoint as ckpt_lib
-from prolip_jax import library_logs, overview, paths, sharding
-from prolip_jax.data import BatchFetcher
-from prolip_jax.pretrained import warm_start
+from prolip_jax.core import checkpoint as ckpt_lib
+from prolip_jax.runtime import library_logs, overview, paths
+from prolip_jax.core import sharding
+from prolip_jax.trainer.data import BatchFetcher
+from prolip_jax.core.pretrained import warm_start
 from prolip_jax.trainer import build, checkpoints, hooks
 from prolip_jax.trainer import state as state_lib
 from prolip_jax.trainer.config import parse_config, with_defaults
@@ -39,7 +40,7 @@ def train(config, workdir: str, *, stop_at_step: int | None = None, extra_hooks:
 
 
 def _train(config, workdir: str, stop_at_step: int | None, extra_hooks: Sequence[hooks.Hook]) -> dict[str, Any]:
-    workdir = paths.as_path(workdir)  # local or a bucket (gs://): prolip_jax/paths.py
+    workdir = paths.as_path(workdir)  # local or a bucket (gs://): prolip_jax/runtime/paths.py
     tc = parse_config(with_defaults(config.copy_and_resolve_references()))  # the only parse
     if stop_at_step is not None and not 0 < stop_at_step <= tc.run.total_steps:
         raise ValueError(f"--stop_at_step={stop_at_step} must be in [1, config.total_steps={tc.run.total_steps}]")

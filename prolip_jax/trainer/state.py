@@ -16,11 +16,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from prolip_jax import checkpoint as ckpt_lib
-from prolip_jax import messages, optim
-from prolip_jax import step as step_lib
-from prolip_jax.models import ProLIP, ProLIPConfig, abstract_params
-from prolip_jax.models import layout
+from prolip_jax.core import checkpoint as ckpt_lib
+from prolip_jax.runtime import messages
+from prolip_jax.core import optim
+from prolip_jax.core import step as step_lib
+from prolip_jax.core.models import ProLIP, ProLIPConfig, abstract_params
+from prolip_jax.core.models import layout
 from prolip_jax.trainer import build
 from prolip_jax.trainer.config import ModelOptions, TrainConfig, recorded
 

@@ -7,8 +7,8 @@ import os
 
 import jax
 
-from prolip_jax import messages, paths
-from prolip_jax.metrics import JSONL_NAME, TB_DIR
+from prolip_jax.runtime import messages, paths
+from prolip_jax.runtime.metrics import JSONL_NAME, TB_DIR
 
 
 def check_workdir(workdir: str) -> None:

@@ -1,7 +1,7 @@
 """tests/test_train_cli.py: configs/tiny.py with an evaluator type that does not exist."""
 from pathlib import Path
 
-from prolip_jax import config_args
+from prolip_jax.runtime import config_args
 
 
 def get_config(arg=None):

@@ -1,0 +1,274 @@
+"""The trainer's view of the data: this host's batches, a checkpointable position, skip counts.
+
+`build_train_data(config, model_config)` returns the grain pipeline of `input_pipeline` (tar,
+ArrayRecord, tfds, demo) or, with `data.source = "random"`, `RandomBatches`: random pixels and
+tokens that need no files, drawn for the *global* batch from (seed, step) and sliced to this
+host's rows, so a run gives the same global batches on any number of hosts.
+
+Before anything compiles, the tokenizer is checked against the model (`check_tokenizer`) and
+the masking ids against the tokenizer (`check_masking`); the iterator carries the tokenizer's
+file (`tokenizer_file`, an `input_pipeline.tokenizer_files.TokenizerFile`) for the checkpoints.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+import jax
+import numpy as np
+
+from input_pipeline.config import DataConfig
+from input_pipeline.shards import split_patterns
+from input_pipeline.pipeline import build_train_iterator, resolve_tokenizer
+from input_pipeline.tokenizer_files import TokenizerFile
+from prolip_jax.runtime import paths
+
+
+class RandomBatches:
+    """{"image": uint8 [B/P, S, S, 3], "text": int32 [B/P, L]} for this host, with the
+    input pipeline's iterator interface (next, get_state/set_state, stats, close).
+
+    uint8 pixels, as the tar pipeline delivers them (the step normalises on device): drawing
+    float32 normals for a large batch costs the host more than a GPU step, and uint8 sends a
+    quarter of the bytes to the device."""
+
+    def __init__(self, global_batch: int, image_size: int, context_length: int, vocab_size: int,
+                 seed: int = 0, pad_id: int = 1, process_index: int | None = None,
+                 process_count: int | None = None):
+        self.process_index = jax.process_index() if process_index is None else process_index
+        self.process_count = jax.process_count() if process_count is None else process_count
+        if global_batch % self.process_count:
+            raise ValueError(f"batch {global_batch} is not divisible by {self.process_count} hosts")
+        self.global_batch, self.image_size = global_batch, image_size
+        self.context_length, self.vocab_size, self.seed, self.pad_id = context_length, vocab_size, seed, pad_id
+        self.position = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng([self.seed, self.position])
+        b, s, length = self.global_batch, self.image_size, self.context_length
+        images = rng.integers(0, 256, size=(b, s, s, 3), dtype=np.uint8)
+        tokens = rng.integers(2, self.vocab_size, size=(b, length), dtype=np.int32)
+        lengths = rng.integers(1, length + 1, size=b)
+        tokens[np.arange(length)[None, :] >= lengths[:, None]] = self.pad_id  # pad == EOS tail
+        self.position += 1
+        rows = slice(self.process_index * b // self.process_count, (self.process_index + 1) * b // self.process_count)
+        return {"image": images[rows], "text": tokens[rows]}
+
+    def get_state(self) -> dict[str, Any]:
+        return {"position": self.position, "seed": self.seed, "global_batch": self.global_batch}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if (state["seed"], state["global_batch"]) != (self.seed, self.global_batch):
+            raise ValueError(f"random data state {state} does not match seed {self.seed}, "
+                             f"batch {self.global_batch}")
+        self.position = int(state["position"])
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {"batches": self.position, "skipped": 0}
+
+    def close(self) -> None:
+        pass
+
+
+class DataStalled(RuntimeError):
+    """No batch came within the trainer's `data_timeout_s`."""
+
+
+class BatchFetcher:
+    """`next(iterator)` in a daemon thread, so that the trainer's main thread keeps answering
+    SIGTERM and Ctrl-C while a read is slow, and stops a read that hangs (a stuck mount, a
+    worker that never answers) after `timeout_s` instead of waiting forever."""
+
+    POLL_S = 0.2
+    abandoned = False  # a fetcher closed with a read in flight: its threads may never end
+
+    def __init__(self, iterator: Any, timeout_s: float):
+        self.iterator, self.timeout_s = iterator, timeout_s
+        self.in_flight = False  # a read started and not yet returned (its thread may hang)
+        self._requests: queue.Queue[bool] = queue.Queue()  # True: read one batch; False: end the thread
+        self._results: queue.Queue[tuple[bool, Any]] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def _serve(self) -> None:
+        while self._requests.get():
+            try:
+                self._results.put((True, next(self.iterator)))
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread, raised there
+                self._results.put((False, e))
+
+    def next(self, stop: Callable[[], bool] = lambda: False) -> Any:
+        """The next batch; None when `stop()` turns true while waiting. Raises what the iterator
+        raised (StopIteration included), or DataStalled after `timeout_s` without a batch."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="batch-fetcher", daemon=True)
+            self._thread.start()
+        if not self.in_flight:
+            self._requests.put(True)
+            self.in_flight = True
+        start = time.monotonic()
+        while True:
+            try:
+                ok, value = self._results.get(timeout=self.POLL_S)
+            except queue.Empty:
+                if stop():
+                    return None
+                waited = time.monotonic() - start
+                if waited > self.timeout_s:
+                    raise DataStalled(f"no batch came in {waited:.0f} s (a stuck read, mount or data worker; "
+                                      "the limit is --config.data_timeout_s)") from None
+                continue
+            self.in_flight = False
+            if ok:
+                return value
+            raise value
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Closes the iterator. With a read still in flight (it hangs), the close runs beside it
+        and is given `timeout_s`; its failure goes to the log: the process is ending anyway."""
+        if not self.in_flight:
+            if self._thread is not None:
+                self._requests.put(False)
+                self._thread.join()
+            self.iterator.close()
+            return
+
+        def close() -> None:
+            try:
+                self.iterator.close()
+            except Exception:  # noqa: BLE001 - the workers of a hung read may never have started
+                logging.getLogger(__name__).warning("closing the data pipeline", exc_info=True)
+
+        BatchFetcher.abandoned = True
+        closing = threading.Thread(target=close, name="batch-fetcher-close", daemon=True)
+        closing.start()
+        closing.join(timeout_s)
+
+
+def build_train_data(tc: Any, model_config: Any, scfg: Any) -> Any:
+    """This host's training batches for `tc` (prolip_jax.trainer.config.TrainConfig; see configs/), with
+    the step's masking settings `scfg` (prolip_jax.core.step.StepConfig)."""
+    d = tc.data
+    run = tc.run
+    if d["source"] == "random":
+        return RandomBatches(run.batch_size, d["image_size"], model_config.text.context_length,
+                             model_config.text.vocab_size, seed=run.seed)
+    data_cfg = {**d, "batch_size": run.batch_size}
+    data_cfg.setdefault("seed", run.seed)
+    if d["source"] in ("tar", "array_record", "auto") and not d.get("path"):
+        raise ValueError(f"data.source={d['source']!r} needs data.path (files, globs or a brace pattern such "
+                         "as 'shards/{00000..00009}.tar')")
+    for pattern in split_patterns(d.get("path") or ""):  # a bucket: one line on what is wrong
+        paths.check_reachable(pattern, "data.path", "--config.data.path")
+    if data_cfg.get("tokenizer") and not data_cfg["tokenizer"].get("path") and d["source"] != "demo":
+        raise ValueError(f"data.source={d['source']!r} needs data.tokenizer.path (a tokenizer file; "
+                         "see input_pipeline/tokenizers.py for the kinds and where files come from)")
+    if d["source"] == "demo":
+        data_cfg.pop("tokenizer", None)
+        data_cfg["demo"] = demo_kwargs(d, model_config)
+    elif data_cfg.get("tokenizer"):
+        data_cfg["tokenizer"] = {"context_length": model_config.text.context_length, **data_cfg["tokenizer"]}
+    data_config = DataConfig.from_mapping(data_cfg)  # the pipeline's typed config, built once here
+    tokenizer = resolve_tokenizer(data_config, None)
+    check_tokenizer(tokenizer, model_config)
+    if scfg.masks_text:
+        check_masking(tokenizer, tc.masking, model_config.text.vocab_size)
+    it = build_train_iterator(data_config, tokenizer)
+    # The checkpoints record this file (checkpoint.save_train_state): the model travels with it.
+    it.tokenizer_file = TokenizerFile.of(tokenizer, tc.masking)
+    return it
+
+
+def check_tokenizer(tokenizer: Any, model_config) -> None:
+    """Token ids past the embedding table would gather garbage on device (and NaN every step):
+    refuse a tokenizer whose vocabulary or context does not fit the text tower."""
+    t = model_config.text
+    if tokenizer.vocab_size > t.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's text embedding has "
+                         f"{t.vocab_size} rows (model.text vocab_size); use a matching tokenizer or model")
+    if tokenizer.context_length > t.context_length:
+        raise ValueError(f"the tokenizer's context_length {tokenizer.context_length} exceeds the model's "
+                         f"{t.context_length}")
+
+
+def _describe(tokenizer: Any, token_id: int) -> str:
+    piece = tokenizer.id_to_piece(token_id)
+    kind = tokenizer.token_kind(token_id)
+    what = {"unknown": "the unknown-word id", "normal": "an ordinary piece text is encoded into",
+            "byte": "a byte-fallback piece text is encoded into", "special": "a special token",
+            "unused": "an unused piece", "outside": "outside the tokenizer's vocabulary"}[kind]
+    return f"{piece!r} ({what})" if piece is not None else what
+
+
+def _tokenizer_name(tokenizer: Any) -> str:
+    path = getattr(tokenizer, "path", None)
+    return f"the tokenizer {path}" if path else "the tokenizer"
+
+
+def check_masking(tokenizer: Any, masking: Any, model_vocab_size: int | None = None) -> None:
+    """`masking.mask_token_id` must be an id that no text encodes to (a special / reserved token
+    such as the [MASK] piece scripts/train_tokenizer.py reserves, or an id past the tokenizer's
+    vocabulary inside the model's embedding, as the reference's 32000); `<unk>` or a word piece
+    would make [MASK] indistinguishable from real text. `masking.protected_ids` must hold the
+    tokenizer's pad and EOS ids (never masked) and no ordinary piece. ValueError naming the id,
+    what it is in the tokenizer, and the id to use. Tokenizers that cannot describe their ids
+    (tests' stand-ins, the demo's) are not checked."""
+    if not hasattr(tokenizer, "token_kind"):
+        return
+    mask = int(masking.mask_token_id)
+    protected = tuple(int(i) for i in masking.protected_ids)
+    pad, eos = tokenizer.pad_id, getattr(tokenizer, "eos_id", None)
+    name = _tokenizer_name(tokenizer)
+    # Ids free for [MASK]: reserved specials no text encodes to, else the first id past the
+    # tokenizer's vocabulary if the model's embedding has rows there.
+    free = {i: p for i, p in tokenizer.special_ids().items() if i not in protected}
+    if not free and model_vocab_size is not None and tokenizer.vocab_size < model_vocab_size:
+        free = {tokenizer.vocab_size: None}
+    named = sorted(free, key=lambda i: ("mask" not in str(free[i]).lower(), i))
+    suggest = (f"--config.masking.mask_token_id={named[0]}"
+               + (f" ({free[named[0]]!r})" if free[named[0]] else " (an id the tokenizer never produces)")
+               if named else "")
+    kind = tokenizer.token_kind(mask)
+    problem = None
+    if mask in (pad, eos):
+        problem = (f"masking.mask_token_id={mask} is the pad/EOS id of {name}: masked tokens would read "
+                   f"as padding and be protected from masking")
+    elif kind in ("unknown", "normal", "byte"):
+        problem = (f"masking.mask_token_id={mask} is {_describe(tokenizer, mask)} in {name}: "
+                   f"[MASK] must be a reserved token no text encodes to, or the model learns "
+                   f"{'unknown words' if kind == 'unknown' else 'that piece'} and [MASK] as one token")
+    if problem and kind == "normal" and not named:
+        # No id to spare (e.g. the OpenAI CLIP BPE vocabulary fills the embedding exactly):
+        # a rarely used piece is the only choice, as configs/prolip_b16_datacomp.py's H/14.
+        logging.warning("%s; the tokenizer has no reserved id to use instead, so it is kept.", problem)
+        problem = None
+    if problem:
+        raise ValueError(problem + (f". Use {suggest}." if suggest else
+                                    ". Train a tokenizer with a reserved [MASK] piece (scripts/train_tokenizer.py)."))
+    missing = [f"{what} id {i}" for what, i in (("pad", pad), ("EOS", eos))
+               if i is not None and i not in protected]
+    if missing:
+        ids = tuple(sorted({i for i in (pad, eos) if i is not None} | set(protected)))
+        raise ValueError(f"masking.protected_ids={protected} lacks the {' and '.join(dict.fromkeys(missing))} of "
+                         f"{name}: padding / the end of every caption would be masked too. "
+                         f"Use --config.masking.protected_ids='{ids}'")
+    words = [i for i in protected if i not in (pad, eos) and tokenizer.token_kind(i) in ("unknown", "normal", "byte")]
+    if words:
+        raise ValueError(f"masking.protected_ids={protected} holds {', '.join(f'{i} = {_describe(tokenizer, i)}' for i in words)} "
+                         f"in {name}: protected ids are the pad/EOS ids that are never masked, and a word "
+                         f"there would never be masked. Use "
+                         f"--config.masking.protected_ids='{tuple(i for i in protected if i not in words)}'")
+
+
+def demo_kwargs(data: Mapping[str, Any], model_config) -> dict[str, Any]:
+    """`input_pipeline.demo.get_demo` kwargs of a `data.source="demo"` run: `data.demo` (the
+    trainer's `config.data` as a dict) with the model's context length (part of the cache key),
+    so whoever else opens the run's dataset (scripts/demo.py, its evaluation) finds the same
+    cache folder."""
+    return {"context_length": model_config.text.context_length, **(data.get("demo") or {})}
