@@ -24,7 +24,8 @@ IMAGE_DTYPES = ("float32", "uint8")
 class DataConfig:
     """Input pipeline configuration (field comments give the meaning and the default's origin)."""
     source: str = "array_record"        # one of SOURCES, or AUTO
-    path: str | Sequence[str] = ""      # tar / array_record: files, globs, brace patterns
+    path: str | Sequence[str] = ""      # tar / array_record: files, globs, brace patterns;
+                                        # csv: the listing file
     batch_size: int = 256               # GLOBAL batch size; each host yields batch/P rows
     image_size: int = 224
     seed: int = 0
@@ -87,6 +88,11 @@ class DataConfig:
     # captions are shuffled among themselves (the papers use 0.2 and 0.5); in [0, 1).
     noise_ratio: float = 0.0
     noise_seed: int = 0                 # which pairs; apart from `seed` (same noise, any order)
+    # csv (sources/csv_listing.py): the listing's columns, as open_clip's --csv-img-key,
+    # --csv-caption-key and --csv-separator (its defaults; the separator for .csv/.tsv only).
+    csv_img_key: str = "filepath"
+    csv_caption_key: str = "title"
+    csv_separator: str = "\t"
 
     def __post_init__(self):
         if self.source not in (*SOURCES, AUTO):

@@ -24,6 +24,7 @@ REGISTRY: dict[str, str] = {
     "coco_karpathy": "input_pipeline.sources.captions:COCO_KARPATHY",
     "flickr30k": "input_pipeline.sources.captions:FLICKR30K",
     "cub": "input_pipeline.sources.captions:CUB",
+    "csv": "input_pipeline.sources.csv_listing:SOURCE",
     "auto": "input_pipeline.sources.auto:SOURCE",
     "random": "input_pipeline.sources.random_batches:SOURCE",
 }
