@@ -18,7 +18,7 @@ Iteration (data.caption_iteration):
   per_image     one record per image and epoch; its caption is drawn from the image's list by
                 the decoder's generator, seeded by (seed, epoch, image) (decode.ExampleDecoder),
                 so the draw changes every epoch and is the same in a resumed run.
-Either way the source is random access under sources.EpochOrderDataset: exact resumption and
+Either way the source is random access under epoch_order.EpochOrderDataset: exact resumption and
 host sharding come from there. Every record carries "image_id" (data.positive_level: the
 dataset's image id, or for cub the class, DAA §5.1.1: all pairs of a class are
 positives), batched as int32 for config.targets.positives="image_id".
