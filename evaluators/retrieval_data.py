@@ -23,7 +23,7 @@ from input_pipeline import shards as paths_lib
 from input_pipeline.caption_files import karpathy_image_path, need, read_karpathy
 from input_pipeline.captions import read_cub
 from input_pipeline.eval_data import EvalSet, Files, Records, TarImages, Tfds
-from input_pipeline.sources import tfds_source
+from input_pipeline.sources.tfds import tfds_source
 from input_pipeline.tar_source import IMAGE_EXTS, TEXT_EXT, split_key
 
 

@@ -18,7 +18,7 @@ Iteration (data.caption_iteration):
   per_image     one record per image and epoch; its caption is drawn from the image's list by
                 the decoder's generator, seeded by (seed, epoch, image) (decode.ExampleDecoder),
                 so the draw changes every epoch and is the same in a resumed run.
-Either way the source is random access under sources.EpochOrderDataset: exact resumption and
+Either way the source is random access under epoch_order.EpochOrderDataset: exact resumption and
 host sharding come from there. Every record carries "image_id" (data.positive_level: the
 dataset's image id, or for cub the class, DAA §5.1.1: all pairs of a class are
 positives), batched as int32 for config.targets.positives="image_id".
@@ -46,12 +46,22 @@ from typing import Any, Sequence
 import numpy as np
 
 from input_pipeline import caption_files
-from input_pipeline.config import DEFAULT_SPLITS
 from input_pipeline.records import Skip
 from prolip_jax.runtime import paths as fs
 
 log = logging.getLogger(__name__)
 
+# Split names per caption source. CUB: <split>classes.txt as PCME ships them
+# (naver-ai/pcme datasets/annotations/cub: trainval/test = Xian et al.'s 150/50 classes, and
+# three train/val folds of trainval).
+CAPTION_SPLITS = {
+    "coco_karpathy": ("train", "restval", "val", "test"),
+    "flickr30k": ("train", "val", "test"),
+    "cub": ("trainval", "test", "train1", "val1", "train2", "val2", "train3", "val3"),
+}
+DEFAULT_SPLITS = {"coco_karpathy": ("train", "restval"), "flickr30k": ("train",),
+                  "cub": ("trainval",)}
+CAPTION_SOURCES = tuple(CAPTION_SPLITS)
 _NOISE_TAG = 0x9C0C   # mixes noise_seed apart from the other seeded draws
 _SAMPLE_CHECKED = 32   # images stat-ed at construction to catch a wrong image_root
 
@@ -168,12 +178,10 @@ def _first(captions: Sequence[str], k: int | None) -> list[str]:
 def read_karpathy(json_path: str, image_root: str, splits: Sequence[str], source: str,
                   captions_per_image: int | None) -> CaptionIndex:
     """A Karpathy split file (parsed by caption_files.read_karpathy) + its image root.
-    captions_per_image: the first k sentences (None: 5 for COCO, as the retrieval
-    evaluator and the 5-caption protocol; all for Flickr30K, which has 5); 0: all."""
+    captions_per_image: the first k sentences; None or 0: all (the COCO source asks for 5, as
+    the retrieval evaluator and the 5-caption protocol)."""
     who = f"data.source={source!r}"
     name, entries = caption_files.read_karpathy(json_path, splits, who)
-    if captions_per_image is None:
-        captions_per_image = 5 if source == "coco_karpathy" else 0
     ids, captions = [], []
     for i, e in enumerate(entries):
         sents = [s.get("raw", "").strip() if isinstance(s, dict) else "" for s in e["sentences"]]
@@ -269,20 +277,6 @@ def read_cub(root: str, splits: Sequence[str], split_dir: str = "",
     return CaptionIndex("cub", files, paths, range(len(paths)), captions, class_ids)
 
 
-def load_index(cfg: Any) -> CaptionIndex:
-    """The CaptionIndex of a DataConfig with a caption source, noise applied."""
-    splits = tuple(cfg.splits) or DEFAULT_SPLITS[cfg.source]
-    if cfg.source == "cub":
-        index = read_cub(cfg.image_root, splits, cfg.class_split_dir, cfg.captions_per_image)
-    else:
-        index = read_karpathy(cfg.caption_file, cfg.image_root, splits, cfg.source,
-                              cfg.captions_per_image)
-    index.positive_ids(cfg.positive_level)   # checks the level
-    if cfg.noise_ratio:
-        index.add_noise(cfg.noise_ratio, cfg.noise_seed)
-    return index
-
-
 # ------------------------------------------------------------------------------ the source
 class CaptionSource:
     """Random-access records for grain: [r] -> {"path", "txt", "image_id", "key"}, no I/O
@@ -324,12 +318,3 @@ class ToRaw:
             return Skip("missing_image", element["path"])
         return {"image": data, "txt": element["txt"], "key": element["key"], "label": None,
                 "image_id": element["image_id"], "rng_key": (epoch, index)}
-
-
-def source_spec(cfg: Any) -> list[str]:
-    """What pins a caption source's records, for the iterator state's fingerprint."""
-    return [cfg.caption_file, cfg.image_root, json.dumps({
-        "splits": list(cfg.splits), "class_split_dir": cfg.class_split_dir,
-        "captions_per_image": cfg.captions_per_image, "iteration": cfg.caption_iteration,
-        "positive_level": cfg.positive_level, "noise_ratio": cfg.noise_ratio,
-        "noise_seed": cfg.noise_seed})]

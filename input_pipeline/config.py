@@ -8,25 +8,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Sequence
 
-from input_pipeline import shards as paths_lib
-from input_pipeline import transforms
+from input_pipeline import sources, transforms
 from prolip_jax.core.normalization import NORMALIZATIONS
 
-# Caption datasets with several captions per image (captions.py).
-CAPTION_SOURCES = ("coco_karpathy", "flickr30k", "cub")
-SOURCES = ("array_record", "tar", "tfds", "demo", *CAPTION_SOURCES)
-# "auto": tar or array_record, from the ending of data.path's names (resolved at construction).
-AUTO = "auto"
-# Split names per caption source. CUB: <split>classes.txt as PCME ships them
-# (naver-ai/pcme datasets/annotations/cub: trainval/test = Xian et al.'s 150/50 classes, and
-# three train/val folds of trainval).
-CAPTION_SPLITS = {
-    "coco_karpathy": ("train", "restval", "val", "test"),
-    "flickr30k": ("train", "val", "test"),
-    "cub": ("trainval", "test", "train1", "val1", "train2", "val2", "train3", "val3"),
-}
-DEFAULT_SPLITS = {"coco_karpathy": ("train", "restval"), "flickr30k": ("train",),
-                  "cub": ("trainval",)}
+# The sources (input_pipeline/sources/: one module each, one line in its REGISTRY) the
+# pipeline reads; AUTO picks one of them from the ending of data.path's names (at construction).
+SOURCES = sources.READ_BY_THE_PIPELINE
+AUTO = sources.AUTO
 ITERATIONS = ("per_caption", "per_image")
 POSITIVE_LEVELS = ("image", "class")
 IMAGE_DTYPES = ("float32", "uint8")
@@ -36,7 +24,8 @@ IMAGE_DTYPES = ("float32", "uint8")
 class DataConfig:
     """Input pipeline configuration (field comments give the meaning and the default's origin)."""
     source: str = "array_record"        # one of SOURCES, or AUTO
-    path: str | Sequence[str] = ""      # tar / array_record: files, globs, brace patterns
+    path: str | Sequence[str] = ""      # tar / array_record: files, globs, brace patterns;
+                                        # csv: the listing file
     batch_size: int = 256               # GLOBAL batch size; each host yields batch/P rows
     image_size: int = 224
     seed: int = 0
@@ -83,7 +72,7 @@ class DataConfig:
     caption_file: str = ""              # Karpathy dataset_coco.json / dataset_flickr30k.json
     image_root: str = ""                # COCO root (<filepath>/<filename>: train2014/...),
                                         # Flickr30K image folder, or CUB root (images/, text_c10/)
-    splits: Sequence[str] = ()          # of CAPTION_SPLITS; () = DEFAULT_SPLITS: train+restval
+    splits: Sequence[str] = ()          # of captions.CAPTION_SPLITS; () = DEFAULT_SPLITS: train+restval
                                         # (COCO, 113,287 images), train (Flickr30K), trainval (CUB)
     class_split_dir: str = ""           # cub: folder of <split>classes.txt; "" = image_root
     # The first k captions of each image; None: 5 for COCO (the 5-caption protocol, as the
@@ -99,14 +88,16 @@ class DataConfig:
     # captions are shuffled among themselves (the papers use 0.2 and 0.5); in [0, 1).
     noise_ratio: float = 0.0
     noise_seed: int = 0                 # which pairs; apart from `seed` (same noise, any order)
+    # csv (sources/csv_listing.py): the listing's columns, as open_clip's --csv-img-key,
+    # --csv-caption-key and --csv-separator (its defaults; the separator for .csv/.tsv only).
+    csv_img_key: str = "filepath"
+    csv_caption_key: str = "title"
+    csv_separator: str = "\t"
 
     def __post_init__(self):
-        if self.source == AUTO:
-            if not self.path:
-                raise ValueError("data.source='auto' needs data.path (tar or array_record shards).")
-            object.__setattr__(self, "source", paths_lib.source_of_paths(self.path))
-        if self.source not in SOURCES:
+        if self.source not in (*SOURCES, AUTO):
             raise ValueError(f"data.source must be one of {(*SOURCES, AUTO)}, got {self.source!r}.")
+        object.__setattr__(self, "source", self.data_source().resolve(self))
         if self.image_dtype not in IMAGE_DTYPES:
             raise ValueError(f"data.image_dtype must be one of {IMAGE_DTYPES}, got "
                              f"{self.image_dtype!r}.")
@@ -124,13 +115,13 @@ class DataConfig:
                              f"{self.max_truncated_share}.")
         if self.num_epochs is not None and self.num_epochs < 1:
             raise ValueError(f"data.num_epochs must be None or >= 1, got {self.num_epochs}.")
-        if self.source in ("tar", "array_record") and not self.path:
-            raise ValueError(f"data.source={self.source!r} needs data.path (files, globs or a "
-                             "brace pattern such as 'shards/{00000..00009}.tar').")
-        if self.source == "tfds" and not self.tfds_name:
-            raise ValueError("data.source='tfds' needs data.tfds_name, e.g. 'coco_captions'.")
         self._check_captions()
+        self.data_source().check(self)   # what this source needs (data.path, ...) and refuses
         self.augment_config()   # validates the augmentation fields
+
+    def data_source(self) -> sources.DataSource:
+        """The registered source of `source` (input_pipeline/sources/)."""
+        return sources.get(self.source)
 
     def _check_captions(self) -> None:
         if self.caption_iteration not in ITERATIONS:
@@ -144,24 +135,6 @@ class DataConfig:
         if self.captions_per_image is not None and self.captions_per_image < 0:
             raise ValueError(f"data.captions_per_image must be None or >= 0, got "
                              f"{self.captions_per_image}.")
-        if self.source not in CAPTION_SOURCES:
-            if self.splits or self.noise_ratio or self.positive_level != "image":
-                raise ValueError(f"data.splits, data.noise_ratio and data.positive_level apply "
-                                 f"to the caption sources {CAPTION_SOURCES}, not "
-                                 f"data.source={self.source!r}.")
-            return
-        known = CAPTION_SPLITS[self.source]
-        for split in self.splits:
-            if split not in known:
-                raise ValueError(f"data.splits: unknown split {split!r} for data.source="
-                                 f"{self.source!r}; known: {known}.")
-        if self.positive_level == "class" and self.source != "cub":
-            raise ValueError(f"data.positive_level='class' needs class labels, which only "
-                             f"data.source='cub' has (got {self.source!r}).")
-        need = ("image_root",) if self.source == "cub" else ("caption_file", "image_root")
-        for name in need:
-            if not getattr(self, name):
-                raise ValueError(f"data.source={self.source!r} needs data.{name}.")
 
     @classmethod
     def from_mapping(cls, config: "Mapping[str, Any] | DataConfig") -> "DataConfig":

@@ -26,12 +26,9 @@ from typing import Any, Callable, Mapping, Sequence
 import grain
 import numpy as np
 
-from input_pipeline import captions, demo, tokenizers
-from input_pipeline import shards as paths_lib
-from input_pipeline import shared_batches
-from input_pipeline import sources
-from input_pipeline import tar_source
-from input_pipeline.config import CAPTION_SOURCES, DataConfig
+from input_pipeline import shared_batches, tokenizers
+from input_pipeline.config import DataConfig
+from input_pipeline.epoch_order import EpochOrderDataset
 from input_pipeline.decode import DecodeConfig, ExampleDecoder
 from input_pipeline.records import REASON_INDEX, SKIP_REASONS, Skip
 from prolip_jax.core.normalization import normalize
@@ -311,14 +308,8 @@ class InputIterator(grain.DatasetIterator):
             raise ValueError("The saved hosts' states disagree on their origin (not one run?).")
         self._set_origin(states[0]["origin"])   # the old run's, to map its positions
         workers = [_worker_states(s["source"], old["num_workers"]) for s in states]
-        if self._fingerprint["source"] == "tar":
-            origin, cost = tar_source.resplit_origin(self._order, old["process_count"],
-                                                     old["num_workers"], workers)
-        else:
-            origin = sources.resplit_origin(
-                self._order.origin, old["process_count"], old["num_workers"],
-                [[int(w["next_index"]) for w in per_host] for per_host in workers])
-            cost = "exact: no record lost or repeated"
+        # Random-access order: exact; tar's stream: its shards re-dealt (input_pipeline/sources/).
+        origin, cost = self._order.resplit(old["process_count"], old["num_workers"], workers)
         self._set_origin(origin, force=True)
         # Counters: every host has consumed the same batches; the sums go to host 0.
         counts = sum(np.array([s["skipped"].get(r, 0) for r in SKIP_REASONS], np.int64)
@@ -353,7 +344,7 @@ class InputIterator(grain.DatasetIterator):
                 raise ValueError("This version-1 iterator state (whose epochs dropped "
                                  "num_records % process_count records) cannot be resumed "
                                  "exactly by this version.")
-            origin = None if saved["source"] == "tar" else {"base": 0, "done": []}
+            origin = self._order.initial_origin() if self._order is not None else None
             state = dict(state, layout=layout, origin=origin, version=_STATE_VERSION)
         return state
 
@@ -361,10 +352,7 @@ class InputIterator(grain.DatasetIterator):
         """Moves the source to `origin`; a new origin needs a fresh parent iterator."""
         if self._order is None or (origin == self._order.origin and not force):
             return
-        if self._fingerprint["source"] == "tar":
-            self._order.set_origin(origin)
-        else:
-            self._order.set_origin(origin["base"], origin["done"])
+        self._order.restore_origin(origin)
         parent = self._dataset.__iter__()
         self._parent.close()
         self._parents = (parent,)
@@ -407,40 +395,13 @@ def _process_index_count(process_index: int | None, process_count: int | None
 def resolve_tokenizer(cfg: DataConfig, tokenizer: Tokenizer | None) -> Tokenizer:
     if tokenizer is not None:
         return tokenizer
-    if cfg.source == "demo":
-        return _demo(cfg)[0].tokenizer()
+    source = cfg.data_source()
+    if source.own_tokenizer:
+        return source.tokenizer(cfg)
     if cfg.tokenizer:
         return tokenizers.build_tokenizer(**cfg.tokenizer)
     raise ValueError("No tokenizer: pass one to the builder or set data.tokenizer to the "
                      "kwargs of input_pipeline.tokenizers.build_tokenizer.")
-
-
-def _demo(cfg: DataConfig) -> tuple[Any, str]:
-    """data.demo = DemoConfig fields + cache_dir (+ "split", default "train")."""
-    kwargs = dict(cfg.demo)
-    split = kwargs.pop("split", "train")
-    return demo.get_demo(**kwargs), split
-
-
-def _random_access_source(cfg: DataConfig) -> tuple[Any, Callable[[Any], Any], list[str]]:
-    if cfg.source in CAPTION_SOURCES:
-        src = captions.CaptionSource(captions.load_index(cfg), cfg.caption_iteration,
-                                     cfg.positive_level)
-        return src, captions.ToRaw(), captions.source_spec(cfg)
-    if cfg.source == "tfds":
-        src = sources.tfds_source(cfg.tfds_name, cfg.tfds_split, cfg.tfds_data_dir)
-        return src, sources.ToRaw("tfds", cfg.image_key, cfg.text_key, cfg.label_key), [
-            f"tfds:{cfg.tfds_name}/{cfg.tfds_split}"]
-    if cfg.source == "demo":
-        ds, split = _demo(cfg)
-        files = [ds.split_path(split)]
-    else:
-        patterns = paths_lib.split_patterns(cfg.path)
-        paths_lib.check_shard_kind(patterns, cfg.source)  # before globbing a bucket
-        sources.require_local_array_records(patterns)
-        files = paths_lib.expand_paths(cfg.path)
-        paths_lib.check_shard_kind(files, cfg.source)
-    return sources.array_record_source(files), sources.ToRaw("array_record"), files
 
 
 class _KeepImageId:
@@ -496,27 +457,19 @@ def _build(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer | None, 
         seed=cfg.seed))
     shuffle = train and cfg.shuffle
     num_epochs = cfg.num_epochs if train else 1
-    workers = max(1, cfg.num_workers)
-    if cfg.source == "tar":
-        paths_lib.check_shard_kind(paths_lib.split_patterns(cfg.path), cfg.source)  # before globbing a bucket
-        files = paths_lib.expand_paths(cfg.path)
-        paths_lib.check_shard_kind(files, cfg.source)
-        if len(files) < p * workers:
-            fix = (f"set --config.data.num_workers={len(files) // p} or fewer, or split the data into "
-                   f"{p * workers}+ shards" if len(files) >= p else f"split the data into {p}+ shards")
-            raise ValueError(f"{len(files)} tar shards cannot feed {p} hosts x {workers} "
-                             f"worker processes (each needs at least one shard): {fix}.")
-        order = tar_source.TarStreamDataset(
-            files, seed=cfg.seed, shuffle=shuffle, process_index=h, process_count=p,
-            num_epochs=num_epochs, shuffle_buffer_size=cfg.shuffle_buffer_size)
+    source = cfg.data_source()
+    records = source.read(cfg, shuffle=shuffle, num_epochs=num_epochs, process_index=h,
+                          process_count=p)
+    if records.stream is not None:   # a stream in the source's own order (tar)
+        order = records.stream
         ds = order.map(decoder)
         size = src = None
     else:
-        src, to_raw, files = _random_access_source(cfg)
+        src, to_raw = records.items, records.to_raw
         decoder = _KeepImageId(decoder)
         size = len(src)
         if train:
-            ds = order = sources.EpochOrderDataset(
+            ds = order = EpochOrderDataset(
                 grain.MapDataset.source(src), seed=cfg.seed, shuffle=shuffle, process_index=h,
                 process_count=p, num_epochs=num_epochs)
             ds = ds.map(_Compose(to_raw, decoder))
@@ -537,10 +490,10 @@ def _build(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer | None, 
         ds.enable_shared_memory_output(cfg.per_worker_buffer_size)
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(
             num_workers=cfg.num_workers, per_worker_buffer_size=cfg.per_worker_buffer_size))
-    fingerprint = {
-        "source": cfg.source, "files": _digest(files), "num_records": size, "train": train,
-        "seed": cfg.seed, "shuffle": shuffle, "batch_size": cfg.batch_size,
-        "shuffle_buffer_size": cfg.shuffle_buffer_size if cfg.source == "tar" else None}
+    fingerprint = {   # the keys and values of states saved before: they must still restore
+        "source": cfg.source, "files": _digest(records.files), "num_records": size,
+        "train": train, "seed": cfg.seed, "shuffle": shuffle, "batch_size": cfg.batch_size,
+        **source.spec(cfg)}
     layout = {"process_index": h, "process_count": p, "num_workers": cfg.num_workers}
     return ds, fingerprint, layout, order, src
 

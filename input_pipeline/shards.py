@@ -122,9 +122,16 @@ def shard_kind(path: str) -> str | None:
     return next((kind for kind, ending in _SHARD_KINDS if ending.search(name)), None)
 
 
+# One file listing image paths and captions (data.source="csv").
+_LISTING = re.compile(r"\.(csv|tsv|parquet)$", re.IGNORECASE)
+
+
 def source_of_paths(patterns: str | Sequence[str]) -> str:
-    """The shard kind that every pattern of data.path names (for `data.source="auto"`)."""
+    """The shard kind that every pattern of data.path names, or "csv" for one listing file
+    (for `data.source="auto"`)."""
     patterns = split_patterns(patterns)
+    if len(patterns) == 1 and _LISTING.search(os.fspath(patterns[0])):
+        return "csv"
     kinds = {shard_kind(p) for p in patterns}
     if len(kinds) != 1 or None in kinds:
         raise ValueError(f"data.source='auto' cannot tell the shard kind of data.path={'::'.join(patterns)!r} "

@@ -315,6 +315,18 @@ class TarStreamDataset(grain.IterDataset):
         group], ...]}, what is left of epoch e for all hosts; the run starts there."""
         self.origin = origin
 
+    # The resume interface of the pipeline's iterator (as epoch_order.EpochOrderDataset's).
+    @staticmethod
+    def initial_origin() -> None:
+        return None   # the shard order of epoch 0
+
+    def restore_origin(self, origin: dict[str, Any] | None) -> None:
+        self.set_origin(origin)
+
+    def resplit(self, process_count: int, num_workers: int,
+                worker_states: Sequence[Sequence[dict[str, Any]]]) -> tuple[dict[str, Any], str]:
+        return resplit_origin(self, process_count, num_workers, worker_states)
+
     def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
         """Called by grain's `mp_prefetch` on each worker's copy of the dataset."""
         del sequential_slice

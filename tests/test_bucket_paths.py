@@ -289,7 +289,8 @@ def test_init_weights_from_a_bucket(bucket):
 
 
 def test_tar_shards_and_caption_files_from_a_bucket(bucket):
-    from input_pipeline import captions, caption_files, sources, tar_source
+    from input_pipeline import captions, caption_files, tar_source
+    from input_pipeline.sources import array_record, tfds
     from input_pipeline.shards import expand_paths
     from input_pipeline.synthetic import make_jpeg_shards
 
@@ -322,12 +323,12 @@ def test_tar_shards_and_caption_files_from_a_bucket(bucket):
 
     # array_record cannot stream from a bucket: one line saying what to do instead.
     with pytest.raises(ValueError) as err:
-        sources.array_record_source(["gs://b/ar/00000.array_record"])
+        array_record.array_record_source(["gs://b/ar/00000.array_record"])
     msg = str(err.value)
     assert "\n" not in msg and "gs://b/ar/00000.array_record" in msg
     assert "gcloud storage cp" in msg and "tar" in msg
     with pytest.raises(ValueError, match="data.tfds_data_dir must be on local disk"):
-        sources.tfds_source("coco", "train", "gs://b/tfds")
+        tfds.tfds_source("coco", "train", "gs://b/tfds")
 
 
 def test_a_training_workdir_in_a_bucket(bucket, monkeypatch):

@@ -7,6 +7,7 @@ Every run here has the same config, so the persistent compilation cache compiles
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import sys
 import time
@@ -249,7 +250,8 @@ def test_a_failure_outside_the_model_saves_first(run, tmp_path, capfd, monkeypat
     exactly (same batches: bit-identical to the uninterrupted run)."""
     if part == "data":
         build = trainer_build.build_train_data
-        monkeypatch.setattr(trainer_build, "build_train_data", lambda *a: _FailingData(build(*a), at=3))
+        monkeypatch.setattr(trainer_build, "build_train_data",
+                            lambda *a: dataclasses.replace(built := build(*a), batches=_FailingData(built.batches, at=3)))
         saved, what = 2, "the data pipeline"
         gist = "RuntimeError: Worker process was terminated unexpectedly with exit code -9"
     else:

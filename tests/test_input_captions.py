@@ -10,6 +10,7 @@ from PIL import Image
 
 from input_pipeline import captions, pipeline
 from input_pipeline.config import DataConfig
+from input_pipeline.sources import captions as caption_sources
 
 
 class CaptionTokenizer:
@@ -125,13 +126,13 @@ def _epoch(cfg):
 
 # ------------------------------------------------------------------------------ counts, ids
 def test_coco_counts_and_image_ids(coco):
-    index = captions.load_index(DataConfig.from_mapping(_coco_cfg(coco)))
+    index = caption_sources.load_index(DataConfig.from_mapping(_coco_cfg(coco)))
     # train + restval = 8 images; 5 captions each (image 0's 6th is left out by default)
     assert index.num_images == 8 and index.num_pairs == 40
     assert index.image_ids.tolist() == list(range(500, 508))
-    assert captions.load_index(DataConfig.from_mapping(
+    assert caption_sources.load_index(DataConfig.from_mapping(
         _coco_cfg(coco, captions_per_image=0))).num_pairs == 41
-    assert captions.load_index(DataConfig.from_mapping(
+    assert caption_sources.load_index(DataConfig.from_mapping(
         _coco_cfg(coco, splits=("test",)))).image_ids.tolist() == [509]
     # per_caption: one epoch holds every pair once; image_id = the caption's image's cocoid
     batches = _epoch(_coco_cfg(coco))
@@ -162,7 +163,7 @@ def test_flickr_counts(tmp_path):
 
 def test_cub_class_and_image_positives(cub):
     cfg = _cfg("cub", image_root=cub, batch_size=10)
-    index = captions.load_index(DataConfig.from_mapping(cfg))
+    index = caption_sources.load_index(DataConfig.from_mapping(cfg))
     assert index.num_images == 8 and index.num_pairs == 80   # classes 001, 002, 004
     assert sorted(set(index.class_ids.tolist())) == [0, 1, 3]   # NNN - 1, as PCME
     number_to_class = {n: int(cls[:3]) - 1 for n, cls in _cub_numbers()}
@@ -176,7 +177,7 @@ def test_cub_class_and_image_positives(cub):
         else:   # image ids: equal exactly for the captions of one image (10 per image)
             same = (caps[:, None] // 10) == (caps[None, :] // 10)
             np.testing.assert_array_equal(ids[:, None] == ids[None, :], same)
-    test = captions.load_index(DataConfig.from_mapping(dict(cfg, splits=("test",))))
+    test = caption_sources.load_index(DataConfig.from_mapping(dict(cfg, splits=("test",))))
     assert test.num_images == 2 and set(test.class_ids.tolist()) == {2}
 
 
@@ -253,17 +254,17 @@ def test_per_image_draws_vary_over_epochs_and_repeat_across_runs(coco):
 # ------------------------------------------------------------------------------ noise
 def test_noise_corrupts_exactly_and_is_written(coco, tmp_path):
     cfg = DataConfig.from_mapping(_coco_cfg(coco, noise_ratio=0.5, noise_seed=3))
-    index = captions.load_index(cfg)
+    index = caption_sources.load_index(cfg)
     assert len(index.noisy) == round(0.5 * 40) == 20
     changed = np.flatnonzero(index.pair_caption != np.arange(40))
     np.testing.assert_array_equal(changed, index.noisy)
     # the captions are shuffled among the chosen pairs: the same multiset
     assert sorted(index.pair_caption[index.noisy].tolist()) == index.noisy.tolist()
-    again = captions.load_index(cfg)
+    again = caption_sources.load_index(cfg)
     np.testing.assert_array_equal(again.pair_caption, index.pair_caption)
-    other = captions.load_index(cfg.replace(noise_seed=4))
+    other = caption_sources.load_index(cfg.replace(noise_seed=4))
     assert other.noisy.tolist() != index.noisy.tolist()
-    assert len(captions.load_index(cfg.replace(noise_ratio=0.2)).noisy) == 8
+    assert len(caption_sources.load_index(cfg.replace(noise_ratio=0.2)).noisy) == 8
 
     path = captions.write_noisy_pairs(index, tmp_path / "noisy_pairs.json")
     doc = json.loads(open(path).read())
@@ -406,12 +407,12 @@ def test_trainer_feeds_image_id_and_writes_the_noisy_pairs(coco, spm_model, tmp_
     config, fv = train.parse_command_line(args)
     tc = trainer_config.parse_config(config)
     data = build_train_data(tc, trainer_build.model_config(tc), trainer_build.step_config(tc))
-    batch = next(data)
+    batch = next(data.batches)
     assert batch["image_id"].shape == (16,) and set(batch["image_id"].tolist()) <= set(range(500, 508))
     mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
     glob = sharding.global_batch(batch, mesh)
     np.testing.assert_array_equal(np.asarray(glob["image_id"]), batch["image_id"])
-    data.close()
+    data.batches.close()
 
     def stop(*a, **k):
         raise _Stop

@@ -230,9 +230,9 @@ def test_recipe_training_batches_from_png_tar_shards(tmp_path, spm_model):
     tc = trainer_config.parse_config(config)
     data = build_train_data(tc, trainer_build.model_config(tc), trainer_build.step_config(tc))
     try:
-        batch = next(data)
+        batch = next(data.batches)
     finally:
-        data.close()
+        data.batches.close()
     assert batch["image"].shape == (16, 16, 16, 3) and batch["image"].dtype == np.uint8
     text = np.asarray(batch["text"])
     assert text.shape == (16, 8) and text.max() < 64

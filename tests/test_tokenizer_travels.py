@@ -201,9 +201,10 @@ def trained(shards, tok_path, tmp_path_factory):
                                   step=np.asarray(2, np.int32), skipped=np.asarray(0, np.int32))
     with ocp.CheckpointManager((tmp / "workdir" / "checkpoints").absolute(), item_names=checkpoint.TRAIN_ITEMS,
                                options=ocp.CheckpointManagerOptions(create=True)) as mngr:
-        checkpoint.save_train_state(mngr, 2, state, mcfg, trainer_config.record(tc), data)
+        checkpoint.save_train_state(mngr, 2, state, mcfg, trainer_config.record(tc), data.batches,
+                                    tokenizer=data.tokenizer_file)
         mngr.wait_until_finished()
-    data.close()
+    data.batches.close()
     return tmp / "workdir", shards[1]
 
 

@@ -81,4 +81,4 @@ def test_benchmarks_build_the_trainers_parts(tmp_path):
         assert parts.traced.shapes and parts.evaluators == []
         assert record(tc)["total_steps"] == 3 and record(tc)["loss"]["objective"] == "prolip"
     finally:
-        parts.data.close()
+        parts.data.batches.close()

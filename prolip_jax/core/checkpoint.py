@@ -411,16 +411,16 @@ TRAIN_ITEMS = (PARAMS, OPT_STATE, COUNTERS, CONFIG, DATA)
 
 def save_train_state(mngr: ocp.CheckpointManager, step: int, state: Any, model_config: ProLIPConfig,
                      train_config: Mapping[str, Any], data: Any, force: bool = False, locked: list[str] = (),
-                     data_state: StateSnapshot | None = None) -> None:
+                     data_state: StateSnapshot | None = None, tokenizer: Any = None) -> None:
     """Asynchronous save of params, optimiser state, counters, config and the data position.
     `train_config`: the run's config as JSON values (prolip_jax.trainer.config.record); `locked`:
     the parameter paths locked at `step` (recorded in the config item); `data_state`: the data
-    position to record instead of `data`'s own (the one before a failed read)."""
+    position to record instead of `data`'s own (the one before a failed read); `tokenizer`: the
+    tokenizer_files.TokenizerFile the run reads its captions with (the model travels with it)."""
     import grain  # here, not at the top: loading a model for inference needs no grain
 
     meta = {"model": model_config.to_dict(), "train_config": dict(train_config),
             "locked": list(locked)}
-    tokenizer = getattr(data, "tokenizer_file", None)  # set by prolip_jax.trainer.data.build_train_data
     if tokenizer is not None:
         meta["tokenizer"] = tokenizer.record(tokenizer.stored_name)
         if jax.process_index() == 0:  # one writer for the shared directory

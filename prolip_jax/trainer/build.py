@@ -16,7 +16,7 @@ import evaluators
 from prolip_jax.core import objectives, optim, sharding
 from prolip_jax.runtime import schema
 from prolip_jax.core import step as step_lib
-from prolip_jax.trainer.data import build_train_data
+from prolip_jax.trainer.data import TrainData, build_train_data
 from prolip_jax.core.models import ProLIP, ProLIPConfig, get_config
 from prolip_jax.core.models.transformer import BlockLevers
 from prolip_jax.core.pretrained import openclip
@@ -125,7 +125,7 @@ class Parts:
     model: ProLIP
     step_config: step_lib.StepConfig
     traced: step_lib.ParamTrace  # model.init traced once: shapes, logical axes, draws
-    data: Any  # this host's training batches (prolip_jax.trainer.data.build_train_data)
+    data: TrainData  # this host's batches, the tokenizer file and a caption index (trainer/data.py)
     evaluators: list[tuple[dict, Any]]
 
 

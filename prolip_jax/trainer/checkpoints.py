@@ -62,8 +62,9 @@ class Checkpoints:
             self.known_finite = True
         try:
             ckpt_lib.save_train_state(self.mngr, step, run.state, run.parts.model_config, self.record,
-                                      run.parts.data, force=force, data_state=data_state,
-                                      locked=optim.locked_paths(run.parts.traced.shapes, run.tc.optim, step))
+                                      run.parts.data.batches, force=force, data_state=data_state,
+                                      locked=optim.locked_paths(run.parts.traced.shapes, run.tc.optim, step),
+                                      tokenizer=run.parts.data.tokenizer_file)
         except Exception as e:  # noqa: BLE001 - a failed save (orbax re-raises the previous one's here)
             raise self.failed(e, step) from None
         self.saving = step

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 from typing import Any, Literal
 
-from input_pipeline import shards as data_paths
-from input_pipeline.config import AUTO as DATA_AUTO
-from input_pipeline.config import SOURCES as DATA_SOURCES
+from input_pipeline import sources as data_sources
 from input_pipeline.config import DataConfig
 from prolip_jax.core import checkpoint as ckpt_lib
 from prolip_jax.core import objectives, optim, sharding
@@ -146,11 +145,10 @@ def parse_config(config) -> TrainConfig:
     data = config.data.to_dict() if "data" in config else {}
     if data:
         schema.check_keys(data.keys(), schema.fields(DataConfig), "config.data")
-        if data.get("source") == DATA_AUTO and data.get("path"):  # every part below sees the kind named
-            data["source"] = data_paths.source_of_paths(data["path"])
-        if data.get("source") not in ("random", DATA_AUTO, *DATA_SOURCES):
-            raise ValueError(f"config.data.source={data.get('source')!r} is not one of "
-                             f"{('random', DATA_AUTO, *DATA_SOURCES)}")
+        if data.get("source") not in data_sources.REGISTRY:
+            raise ValueError(f"config.data.source={data.get('source')!r} is not one of {tuple(data_sources.REGISTRY)}")
+        if data.get("path"):  # "auto" becomes the source the names say: every part below sees it named
+            data["source"] = data_sources.get(data["source"]).resolve(types.SimpleNamespace(**data))
     return TrainConfig(run=run, **sections, objective=name, loss=loss, data=data)
 
 

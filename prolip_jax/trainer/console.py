@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from input_pipeline import sources as data_sources
+
 
 def headline(evaluator: Any, values: dict[str, Any]) -> list[str]:
     """The names of `values` (one evaluator's metrics) that the console line shows: those matching
@@ -47,13 +49,7 @@ def evaluate_command(workdir: Path, data: dict[str, Any], evals: dict[str, Any] 
     def here(path: Path) -> str:  # relative to the working directory when inside it
         return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
-    source = data.get("source", "random")
-    config, flags = {
-        "demo": ("demo.py", ""), "random": ("demo.py", ""),
-        "cub": ("cub.py", f" --config.root={data.get('image_root')}"),
-        "coco_karpathy": ("coco.py", f" --config.karpathy_json={data.get('caption_file')} "
-                                     f"--config.image_root={data.get('image_root')}"),
-    }.get(source, ("imagefolder.py", " --config.root=YOUR_IMAGEFOLDER"))
+    config, flags = data_sources.get(data.get("source", "random")).evaluate_with(data)
     folders = [e for e in (evals or {}).values() if e.get("type") == "zeroshot" and e.get("root")]
     if config == "imagefolder.py" and folders:
         split = folders[0].get("split", "val")

@@ -1,80 +1,32 @@
-"""The trainer's view of the data: this host's batches, a checkpointable position, skip counts.
-
-`build_train_data(config, model_config)` returns the grain pipeline of `input_pipeline` (tar,
-ArrayRecord, tfds, demo) or, with `data.source = "random"`, `RandomBatches`: random pixels and
-tokens that need no files, drawn for the *global* batch from (seed, step) and sliced to this
-host's rows, so a run gives the same global batches on any number of hosts.
+"""The trainer's view of the data: `build_train_data(tc, model_config, step_config)` gives a
+`TrainData`: this host's batches (the grain pipeline of `input_pipeline` for the registered
+source `data.source` names, input_pipeline/sources/: tar, ArrayRecord, tfds, demo, caption
+datasets, CSV/Parquet listings; or, for a source that draws whole batches itself,
+`data.source = "random"`, its batches), the tokenizer file the checkpoints record, and the
+caption index of a caption source.
 
 Before anything compiles, the tokenizer is checked against the model (`check_tokenizer`) and
-the masking ids against the tokenizer (`check_masking`); the iterator carries the tokenizer's
-file (`tokenizer_file`, an `input_pipeline.tokenizer_files.TokenizerFile`) for the checkpoints.
+the masking ids against the tokenizer (`check_masking`). `BatchFetcher` reads the batches in a
+thread, so that the trainer answers signals while a read waits and stops one that hangs.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
 import time
 from typing import Any, Callable, Mapping
 
-import jax
-import numpy as np
 
+from input_pipeline import sources
 from input_pipeline.config import DataConfig
 from input_pipeline.shards import split_patterns
 from input_pipeline.pipeline import build_train_iterator, resolve_tokenizer
+from input_pipeline.sources import demo as demo_source
+from input_pipeline.sources.random_batches import RandomBatches  # noqa: F401 - its old home
 from input_pipeline.tokenizer_files import TokenizerFile
 from prolip_jax.runtime import paths
-
-
-class RandomBatches:
-    """{"image": uint8 [B/P, S, S, 3], "text": int32 [B/P, L]} for this host, with the
-    input pipeline's iterator interface (next, get_state/set_state, stats, close).
-
-    uint8 pixels, as the tar pipeline delivers them (the step normalises on device): drawing
-    float32 normals for a large batch costs the host more than a GPU step, and uint8 sends a
-    quarter of the bytes to the device."""
-
-    def __init__(self, global_batch: int, image_size: int, context_length: int, vocab_size: int,
-                 seed: int = 0, pad_id: int = 1, process_index: int | None = None,
-                 process_count: int | None = None):
-        self.process_index = jax.process_index() if process_index is None else process_index
-        self.process_count = jax.process_count() if process_count is None else process_count
-        if global_batch % self.process_count:
-            raise ValueError(f"batch {global_batch} is not divisible by {self.process_count} hosts")
-        self.global_batch, self.image_size = global_batch, image_size
-        self.context_length, self.vocab_size, self.seed, self.pad_id = context_length, vocab_size, seed, pad_id
-        self.position = 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        rng = np.random.default_rng([self.seed, self.position])
-        b, s, length = self.global_batch, self.image_size, self.context_length
-        images = rng.integers(0, 256, size=(b, s, s, 3), dtype=np.uint8)
-        tokens = rng.integers(2, self.vocab_size, size=(b, length), dtype=np.int32)
-        lengths = rng.integers(1, length + 1, size=b)
-        tokens[np.arange(length)[None, :] >= lengths[:, None]] = self.pad_id  # pad == EOS tail
-        self.position += 1
-        rows = slice(self.process_index * b // self.process_count, (self.process_index + 1) * b // self.process_count)
-        return {"image": images[rows], "text": tokens[rows]}
-
-    def get_state(self) -> dict[str, Any]:
-        return {"position": self.position, "seed": self.seed, "global_batch": self.global_batch}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        if (state["seed"], state["global_batch"]) != (self.seed, self.global_batch):
-            raise ValueError(f"random data state {state} does not match seed {self.seed}, "
-                             f"batch {self.global_batch}")
-        self.position = int(state["position"])
-
-    @property
-    def stats(self) -> dict[str, int]:
-        return {"batches": self.position, "skipped": 0}
-
-    def close(self) -> None:
-        pass
 
 
 class DataStalled(RuntimeError):
@@ -151,38 +103,44 @@ class BatchFetcher:
         closing.join(timeout_s)
 
 
-def build_train_data(tc: Any, model_config: Any, scfg: Any) -> Any:
-    """This host's training batches for `tc` (prolip_jax.trainer.config.TrainConfig; see configs/), with
-    the step's masking settings `scfg` (prolip_jax.core.step.StepConfig)."""
+@dataclasses.dataclass
+class TrainData:
+    """A run's data: this host's batches (an iterator with the input pipeline's interface: next,
+    get_state/set_state, stats, close), the tokenizer file the checkpoints record (the model
+    travels with it), and the caption index of a caption source (which pairs data.noise_ratio
+    corrupted; input_pipeline/captions.py)."""
+
+    batches: Any
+    tokenizer_file: TokenizerFile | None = None
+    caption_index: Any = None
+
+
+def build_train_data(tc: Any, model_config: Any, scfg: Any) -> TrainData:
+    """The data of `tc` (prolip_jax.trainer.config.TrainConfig; see configs/), with the step's
+    masking settings `scfg` (prolip_jax.core.step.StepConfig)."""
     d = tc.data
     run = tc.run
-    if d["source"] == "random":
-        return RandomBatches(run.batch_size, d["image_size"], model_config.text.context_length,
-                             model_config.text.vocab_size, seed=run.seed)
+    source = sources.get(d["source"])
+    if source.draws_batches:
+        return TrainData(source.batches(run.batch_size, d["image_size"], model_config.text.context_length,
+                                        model_config.text.vocab_size, seed=run.seed))
     data_cfg = {**d, "batch_size": run.batch_size}
     data_cfg.setdefault("seed", run.seed)
-    if d["source"] in ("tar", "array_record", "auto") and not d.get("path"):
-        raise ValueError(f"data.source={d['source']!r} needs data.path (files, globs or a brace pattern such "
-                         "as 'shards/{00000..00009}.tar')")
+    if source.path_hint and not d.get("path"):
+        raise ValueError(f"data.source={d['source']!r} needs data.path ({source.path_hint})")
     for pattern in split_patterns(d.get("path") or ""):  # a bucket: one line on what is wrong
         paths.check_reachable(pattern, "data.path", "--config.data.path")
-    if data_cfg.get("tokenizer") and not data_cfg["tokenizer"].get("path") and d["source"] != "demo":
+    if data_cfg.get("tokenizer") and not data_cfg["tokenizer"].get("path") and not source.own_tokenizer:
         raise ValueError(f"data.source={d['source']!r} needs data.tokenizer.path (a tokenizer file; "
                          "see input_pipeline/tokenizers.py for the kinds and where files come from)")
-    if d["source"] == "demo":
-        data_cfg.pop("tokenizer", None)
-        data_cfg["demo"] = demo_kwargs(d, model_config)
-    elif data_cfg.get("tokenizer"):
-        data_cfg["tokenizer"] = {"context_length": model_config.text.context_length, **data_cfg["tokenizer"]}
+    data_cfg = source.for_model(data_cfg, model_config.text.context_length)
     data_config = DataConfig.from_mapping(data_cfg)  # the pipeline's typed config, built once here
     tokenizer = resolve_tokenizer(data_config, None)
     check_tokenizer(tokenizer, model_config)
     if scfg.masks_text:
         check_masking(tokenizer, tc.masking, model_config.text.vocab_size)
     it = build_train_iterator(data_config, tokenizer)
-    # The checkpoints record this file (checkpoint.save_train_state): the model travels with it.
-    it.tokenizer_file = TokenizerFile.of(tokenizer, tc.masking)
-    return it
+    return TrainData(it, TokenizerFile.of(tokenizer, tc.masking), getattr(it, "caption_index", None))
 
 
 def check_tokenizer(tokenizer: Any, model_config) -> None:
@@ -271,4 +229,4 @@ def demo_kwargs(data: Mapping[str, Any], model_config) -> dict[str, Any]:
     trainer's `config.data` as a dict) with the model's context length (part of the cache key),
     so whoever else opens the run's dataset (scripts/demo.py, its evaluation) finds the same
     cache folder."""
-    return {"context_length": model_config.text.context_length, **(data.get("demo") or {})}
+    return demo_source.run_kwargs(data, model_config.text.context_length)

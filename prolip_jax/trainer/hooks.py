@@ -148,7 +148,7 @@ class Throughput(Hook):
             "samples_per_s_per_device": batch / dt / jax.device_count(),
             "tflops_per_device": flops_lib.tflops_per_device(self.step_flops, dt, jax.device_count()),
             "skipped_updates": int(to_host(run.state.skipped)),
-            **{f"data/{k}": v for k, v in run.parts.data.stats.items()},
+            **{f"data/{k}": v for k, v in run.parts.data.batches.stats.items()},
         })
         mfu = flops_lib.mfu(self.step_flops, dt, jax.device_count(), self.device_kind, run.parts.model.dtype)
         if mfu is not None:
@@ -192,7 +192,7 @@ class KeepBest(Hook):
     def __init__(self, run: Run, evaluate: Evaluate):
         tc = run.tc
         self.best = ckpt_lib.BestKeeper(run.workdir / "best", tc.keep_best, run.parts.model_config,
-                                        tokenizer=getattr(run.parts.data, "tokenizer_file", None))
+                                        tokenizer=run.parts.data.tokenizer_file)
         self.evaluate = evaluate
         self.logged: set[str] = set()  # every metric logged so far
 
@@ -257,7 +257,7 @@ class Save(Hook):
         self.checkpoints.save_unless_saved(run.step)
         if run.tc.optim.swa_every_steps:
             save_swa(run.workdir / "swa", run.state, run.step, run.parts.model_config,
-                     getattr(run.parts.data, "tokenizer_file", None), run.is_chief)
+                     run.parts.data.tokenizer_file, run.is_chief)
 
 
 class Stop(Hook):

@@ -56,9 +56,9 @@ def _train(config, workdir: str, stop_at_step: int | None, extra_hooks: Sequence
 
     # Only now, with the config and the data checked, does the workdir come into being.
     workdir.mkdir(parents=True, exist_ok=True)
-    caption_index = getattr(parts.data, "caption_index", None)  # caption sources (input_pipeline/captions.py)
-    if is_chief and caption_index is not None and caption_index.noise_ratio > 0:
-        write_noisy_pairs(caption_index, workdir / "noisy_pairs.json")  # which pairs data.noise_ratio corrupted
+    captions = parts.data.caption_index  # caption sources (input_pipeline/captions.py)
+    if is_chief and captions is not None and captions.noise_ratio > 0:
+        write_noisy_pairs(captions, workdir / "noisy_pairs.json")  # which pairs data.noise_ratio corrupted
     mngr = checkpoints.manager(workdir, tc.run.keep_checkpoints)
     run, random_init = state_lib.start_run(parts, workdir, mngr, apply_warm_start, stop_at_step)
     if is_chief:  # clu.parameter_overview's table to WORKDIR/parameters.txt, one line here (overview.py)
@@ -78,7 +78,7 @@ def make_hooks(run: state_lib.Run, saves: checkpoints.Checkpoints, stop_at_step:
 def run_loop(run: state_lib.Run, saves: checkpoints.Checkpoints, stop_at_step: int | None = None,
              extra_hooks: Sequence[hooks.Hook] = ()) -> dict[str, Any]:
     """Steps from run.step to config.total_steps; returns the last logged metrics."""
-    fetch = BatchFetcher(run.parts.data, run.tc.run.data_timeout_s)  # signals are answered while a read waits
+    fetch = BatchFetcher(run.parts.data.batches, run.tc.run.data_timeout_s)  # signals are answered while a read waits
     built: list[hooks.Hook] = []
     try:
         built = make_hooks(run, saves, stop_at_step, extra_hooks)
@@ -110,7 +110,7 @@ def run_loop(run: state_lib.Run, saves: checkpoints.Checkpoints, stop_at_step: i
 
 def one_step(run: state_lib.Run, batch: Any, built: list[hooks.Hook]) -> None:
     """One training step on `batch` (this host's rows), the hooks around it."""
-    run.data_state = ckpt_lib.StateSnapshot.of(run.parts.data)  # where a resume continues if the next read fails
+    run.data_state = ckpt_lib.StateSnapshot.of(run.parts.data.batches)  # where a resume continues if the next read fails
     batch = sharding.global_batch(batch, run.parts.mesh)
     for hook in built:
         hook.before_step(run)

@@ -220,7 +220,7 @@ def start_run(parts: build.Parts, workdir: Path, mngr: ocp.CheckpointManager, ap
             state = warm_started(state, apply_warm_start, shardings, workdir, is_chief)
     else:
         shardings = step_lib.state_shardings(parts.traced.boxed, tx, parts.mesh, tc.run.sharding_rules)
-        state = restore(mngr, start, parts.model, tx, shardings, parts.mesh, tc, parts.traced, parts.data)
+        state = restore(mngr, start, parts.model, tx, shardings, parts.mesh, tc, parts.traced, parts.data.batches)
         if is_chief:
             print(f"resumed from {workdir / 'checkpoints' / str(start)} (step {start})", flush=True)
     run = Run(parts, workdir, is_chief, start, state, shardings, tx, schedule, step=start)

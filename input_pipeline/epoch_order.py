@@ -1,4 +1,4 @@
-"""Random-access sources (ArrayRecord, tfds) and the exact global order over epochs and hosts.
+"""The exact global order of a random-access source over epochs and hosts.
 
 `EpochOrderDataset` is the heart of exact resumption: element i of host h is a pure function
 of (seed, h, P, i, origin), so a grain iterator state (the next index) pins the data order.
@@ -24,8 +24,6 @@ from typing import Any, Sequence
 import numpy as np
 import grain
 
-from input_pipeline.records import Skip, raw_from_record_bytes
-from prolip_jax.runtime import paths as fs
 
 _EPOCH_SEED_TAG = 0xE90C
 
@@ -61,6 +59,23 @@ class EpochOrderDataset(grain.MapDataset):
             self._len = sys.maxsize
         else:   # every host gets the same count, so all run the same number of steps
             self._len = max(0, self._map.remaining(self._num_epochs * self._n)) // self._p
+
+    # The resume interface the pipeline's iterator uses, shared with the streaming order of tar
+    # shards (tar_source.TarStreamDataset): origin, initial_origin, restore_origin, resplit.
+    @staticmethod
+    def initial_origin() -> dict[str, Any]:
+        return {"base": 0, "done": []}
+
+    def restore_origin(self, origin: dict[str, Any]) -> None:
+        self.set_origin(origin["base"], origin["done"])
+
+    def resplit(self, process_count: int, num_workers: int,
+                worker_states: Sequence[Sequence[dict[str, Any]]]) -> tuple[dict[str, Any], str]:
+        """(the origin for a new layout, what the change costs) from every old host's worker
+        states (worker_states[h][w])."""
+        cursors = [[int(w["next_index"]) for w in per_host] for per_host in worker_states]
+        return (resplit_origin(self.origin, process_count, num_workers, cursors),
+                "exact: no record lost or repeated")
 
     def __len__(self) -> int:
         return self._len
@@ -123,66 +138,3 @@ def resplit_origin(origin: dict[str, Any], process_count: int, num_workers: int,
         read += [old((w + w_count * m) * process_count + h) for m in range(m0, c)]
     base = old(first)
     return {"base": base, "done": sorted(set(read + [g for g in origin["done"] if g > base]))}
-
-
-class ToRaw:
-    """(epoch, record index, source element) -> raw record (see records.py) or Skip.
-
-    `kind` is "array_record" (bytes in this project's record format) or "tfds" (a feature
-    dict; `text_key` may be a "/"-path into nested features, e.g. "captions/text").
-    """
-
-    def __init__(self, kind: str, image_key: str = "image", text_key: str = "caption",
-                 label_key: str | None = None):
-        self.kind, self.image_key, self.text_key = kind, image_key, text_key
-        self.label_key = label_key
-
-    def __call__(self, item: tuple[int, int, Any] | Skip) -> dict[str, Any] | Skip:
-        if isinstance(item, Skip):
-            return item
-        epoch, index, element = item
-        rng_key = (epoch, index)
-        if self.kind == "array_record":
-            return raw_from_record_bytes(element, rng_key)
-        txt: Any = element
-        for part in self.text_key.split("/"):
-            txt = txt.get(part) if isinstance(txt, dict) else None
-        label = element.get(self.label_key) if self.label_key else None
-        return {"image": element.get(self.image_key), "txt": txt, "key": str(index),
-                "label": None if label is None else int(np.asarray(label)),
-                "rng_key": rng_key}
-
-
-def require_local_array_records(paths: Sequence[str]) -> None:
-    """array_record's C++ reader (riegeli) opens local files only (the open-source build has no
-    GCS reader): a bucket path is refused at start-up, saying what to do (docs/buckets.md)."""
-    remote = [p for p in paths if fs.is_url(p)]
-    if remote:
-        fs.require_local(remote[0], "array_record shards",
-                         f"copy them to local disk (gcloud storage cp -r '{remote[0].rsplit('/', 1)[0]}' "
-                         "/local/dir) and point data.path there, or use tar shards "
-                         "(data.source='tar'), which stream from a bucket")
-
-
-def array_record_source(paths: Sequence[str]) -> Any:
-    """grain's ArrayRecordDataSource over the local files (records in `records.py` format)."""
-    require_local_array_records(paths)
-    return grain.sources.ArrayRecordDataSource(list(paths))
-
-
-def tfds_source(name: str, split: str, data_dir: str | None) -> Any:
-    """`tfds.data_source(...)`: random access to a tfds dataset prepared as array_record.
-
-    Needs the optional extra (`pip install 'prolip_jax[tfds]'`); TensorFlow is not needed.
-    """
-    if data_dir:
-        fs.require_local(data_dir, "data.tfds_data_dir",
-                         "tfds.data_source reads array_record files, which must be local: copy the "
-                         f"prepared dataset (gcloud storage cp -r '{data_dir}' /local/dir) and point "
-                         "data.tfds_data_dir there")
-    try:
-        import tensorflow_datasets as tfds
-    except ImportError as e:
-        raise ImportError("data.source='tfds' needs tensorflow-datasets: pip install "
-                          "'prolip_jax[tfds]' (TensorFlow itself is not needed).") from e
-    return tfds.data_source(name, split=split, data_dir=data_dir)
