@@ -281,7 +281,7 @@ def random_batch_seconds(global_batch: int, mcfg) -> float | None:
     """Host seconds to make one data.source=random batch (uint8 images drawn each step) of the
     model config `mcfg`: the synthetic run's own input cost, to read its samples/s against."""
     try:
-        from prolip_jax.trainer.data import RandomBatches
+        from input_pipeline.sources.random_batches import RandomBatches
 
         it = RandomBatches(global_batch, mcfg.vision.image_size, mcfg.text.context_length, mcfg.text.vocab_size,
                            process_index=0, process_count=1)

@@ -24,7 +24,6 @@ from input_pipeline.config import DataConfig
 from input_pipeline.shards import split_patterns
 from input_pipeline.pipeline import build_train_iterator, resolve_tokenizer
 from input_pipeline.sources import demo as demo_source
-from input_pipeline.sources.random_batches import RandomBatches  # noqa: F401 - its old home
 from input_pipeline.tokenizer_files import TokenizerFile
 from prolip_jax.runtime import paths
 
