@@ -305,8 +305,9 @@ class CaptionSource:
 
 
 class ToRaw:
-    """(epoch, record index, CaptionSource element) -> raw record (records.py) with "image_id",
-    or Skip("missing_image") when the image file cannot be read."""
+    """(epoch, record index, element) -> raw record (records.py), or Skip("missing_image") when
+    the image file cannot be read. An element is {"path", "txt", "key"}, with "image_id" for the
+    caption sources (CaptionSource) and without it for listings (sources/csv_listing.py)."""
 
     def __call__(self, item: tuple[int, int, Any] | Skip) -> dict[str, Any] | Skip:
         if isinstance(item, Skip):
@@ -316,5 +317,6 @@ class ToRaw:
             data = fs.read_bytes(element["path"])
         except OSError:   # absent, a directory, unreadable: skipped and counted
             return Skip("missing_image", element["path"])
-        return {"image": data, "txt": element["txt"], "key": element["key"], "label": None,
-                "image_id": element["image_id"], "rng_key": (epoch, index)}
+        ids = {"image_id": element["image_id"]} if "image_id" in element else {}
+        return {"image": data, "txt": element["txt"], "key": element["key"], "label": None, **ids,
+                "rng_key": (epoch, index)}

@@ -20,7 +20,7 @@ import json
 import os
 from typing import Any, Sequence
 
-from input_pipeline.records import Skip
+from input_pipeline.captions import ToRaw
 from input_pipeline.sources.base import DataSource, Records
 from prolip_jax.runtime import paths as fs
 
@@ -79,22 +79,6 @@ class Listing:
         txt = self.captions[i]
         return {"path": self.image_paths[i], "txt": None if txt is None else str(txt),
                 "key": f"{self.name} row {i}"}
-
-
-class ToRaw:
-    """(epoch, row, Listing element) -> raw record (records.py), or Skip("missing_image") when
-    the image file cannot be read."""
-
-    def __call__(self, item: tuple[int, int, Any] | Skip) -> dict[str, Any] | Skip:
-        if isinstance(item, Skip):
-            return item
-        epoch, index, element = item
-        try:
-            data = fs.read_bytes(element["path"])
-        except OSError:   # absent, a directory, unreadable: skipped and counted
-            return Skip("missing_image", element["path"])
-        return {"image": data, "txt": element["txt"], "key": element["key"], "label": None,
-                "rng_key": (epoch, index)}
 
 
 def _resolved(listing: str, image: str) -> str:
