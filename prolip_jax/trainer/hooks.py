@@ -20,7 +20,6 @@ from prolip_jax.core import checkpoint as ckpt_lib
 from prolip_jax.core import flops as flops_lib
 from prolip_jax.runtime import messages, profiling
 from prolip_jax.core import optim
-from prolip_jax.core import step as step_lib
 from prolip_jax.runtime.metrics import MetricWriter
 from prolip_jax.trainer.checkpoints import Checkpoints
 from prolip_jax.trainer.console import console_lines, headline
@@ -114,28 +113,11 @@ class Throughput(Hook):
         replicated = jax.sharding.NamedSharding(run.parts.mesh, jax.sharding.PartitionSpec())
         self.window = Window(replicated)
         self.device_kind = jax.devices()[0].device_kind
-        self.unlock_at = optim.rebuild_steps(run.tc.optim)
-        self.step_flops = self._count_flops(run)
-
-    @staticmethod
-    def _count_flops(run: Run) -> float:
-        """Model FLOPs of one step; a tower locked at this step runs forward only (flops.py)."""
-        p, tc = run.parts, run.tc
-        shapes = p.traced.shapes
-        locked = set(optim.locked_paths(shapes, tc.optim, run.step))
-        towers = tuple(t for t in ("visual", "text")
-                       if all(q in locked for q in optim.param_paths(shapes) if q.startswith(t + "/")))
-        return flops_lib.train_step_flops(p.model_config, tc.run.batch_size,
-                                          image_keep_ratio=p.step_config.masking.image_keep_ratio,
-                                          num_masked=step_lib.num_masked_rows(tc.run.batch_size, p.step_config),
-                                          locked_towers=towers)
 
     def begin(self, run: Run, log: Log) -> None:
         self.t_log, self.step_log, self.excluded = time.time(), run.step, run.not_training_s
 
     def after_step(self, run: Run, metrics: dict[str, Any], log: Log) -> None:
-        if run.step in self.unlock_at:  # the unlocked tower now runs backward too
-            self.step_flops = self._count_flops(run)
         self.window.add(metrics)
         if not is_log_step(run, run.tc.run.log_steps):
             return
@@ -146,11 +128,11 @@ class Throughput(Hook):
         log.values.update({
             "step_time_s": dt, "samples_per_s": batch / dt,
             "samples_per_s_per_device": batch / dt / jax.device_count(),
-            "tflops_per_device": flops_lib.tflops_per_device(self.step_flops, dt, jax.device_count()),
+            "tflops_per_device": flops_lib.tflops_per_device(run.step_flops, dt, jax.device_count()),
             "skipped_updates": int(to_host(run.state.skipped)),
             **{f"data/{k}": v for k, v in run.parts.data.batches.stats.items()},
         })
-        mfu = flops_lib.mfu(self.step_flops, dt, jax.device_count(), self.device_kind, run.parts.model.dtype)
+        mfu = flops_lib.mfu(run.step_flops, dt, jax.device_count(), self.device_kind, run.parts.model.dtype)
         if mfu is not None:
             log.values["mfu"] = mfu
 
@@ -260,6 +242,12 @@ class Save(Hook):
                      run.parts.data.tokenizer_file, run.is_chief)
 
 
+def preempted_line(step: int) -> str:
+    if not step:
+        return "preempted before the first step: nothing to save; rerun the same command"
+    return f"preempted: saved step {step}; rerun the same command to resume"
+
+
 class Stop(Hook):
     """Stops at --stop_at_step, on SIGTERM (a preemption; also while waiting for data) and on
     orbax's preemption notice: saved, one line, the same command resumes."""
@@ -284,7 +272,7 @@ class Stop(Hook):
             print(f"stopped at step {run.step} (--stop_at_step): saved; the same command without it "
                   f"continues to step {run.tc.run.total_steps}", flush=True)
         elif run.is_chief:
-            print(f"preempted: saved step {run.step}; rerun the same command to resume", flush=True)
+            print(preempted_line(run.step), flush=True)
         raise StopRun
 
     def while_waiting(self, run: Run) -> None:
@@ -294,8 +282,7 @@ class Stop(Hook):
         else:
             self.checkpoints.finish()
         if run.is_chief:
-            print(f"preempted: saved step {run.step}; rerun the same command to resume" if run.step else
-                  "preempted before the first step: nothing to save; rerun the same command", flush=True)
+            print(preempted_line(run.step), flush=True)
         raise StopRun
 
     def close(self) -> None:

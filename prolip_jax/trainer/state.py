@@ -17,6 +17,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from prolip_jax.core import checkpoint as ckpt_lib
+from prolip_jax.core import flops as flops_lib
 from prolip_jax.runtime import messages
 from prolip_jax.core import optim
 from prolip_jax.core import step as step_lib
@@ -176,6 +177,7 @@ class Run:
     # continues when the next read fails.
     data_state: ckpt_lib.StateSnapshot | None = None
     not_training_s: float = 0.0  # seconds spent in evaluators: not step time
+    step_flops: float = 0.0  # model FLOPs of one step of the current phase (`compile_step`)
     last_metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
@@ -183,7 +185,8 @@ class Run:
         return self.parts.tc
 
     def compile_step(self) -> None:
-        """Jits the step of the optimiser phase at `self.step`: only trainable leaves are differentiated."""
+        """Jits the step of the optimiser phase at `self.step` (only trainable leaves are
+        differentiated) and counts its model FLOPs."""
         p, run = self.parts, self.parts.tc.run
         trainable = optim.trainable_mask(p.traced.shapes, p.tc.optim, self.step)
         fn = step_lib.make_train_step(p.model, self.tx, self.schedule, p.step_config, p.mesh, run.batch_size,
@@ -191,6 +194,19 @@ class Run:
         replicated = jax.sharding.NamedSharding(p.mesh, jax.sharding.PartitionSpec())
         self.train_step = jax.jit(fn, in_shardings=(self.shardings, None), out_shardings=(self.shardings, replicated),
                                   donate_argnums=0)
+        self.step_flops = self._count_flops()
+
+    def _count_flops(self) -> float:
+        """Model FLOPs of one step; a tower locked at this step runs forward only (flops.py)."""
+        p, run = self.parts, self.parts.tc.run
+        shapes = p.traced.shapes
+        locked = set(optim.locked_paths(shapes, p.tc.optim, self.step))
+        towers = tuple(t for t in ("visual", "text")
+                       if all(q in locked for q in optim.param_paths(shapes) if q.startswith(t + "/")))
+        return flops_lib.train_step_flops(p.model_config, run.batch_size,
+                                          image_keep_ratio=p.step_config.masking.image_keep_ratio,
+                                          num_masked=step_lib.num_masked_rows(run.batch_size, p.step_config),
+                                          locked_towers=towers)
 
     def change_optimizer(self) -> None:
         """The optimiser phase at `self.step` (a locked tower joins at optim.unlock_step): the
