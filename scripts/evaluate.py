@@ -57,7 +57,6 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python scripts/evaluate.py` from anywhere: find evaluators/
     sys.path.insert(0, str(ROOT))
 
-EVAL_KEYS = ("type", "log_steps", "prefix")  # settings, not evaluator config (as prolip_jax.trainer.build)
 
 
 def load_config(spec: str, overrides: list[str] = ()) -> Any:
@@ -377,6 +376,7 @@ def evaluate(checkpoint: str, config: Any, out: Path, step: int | None = None,
 
     import jax
     import prolip_jax
+    from prolip_jax.trainer.build import EVAL_KEYS  # a run's settings of an evaluator, not its config
     from tqdm import tqdm
 
     model = prolip_jax.load(checkpoint, step=step)

@@ -18,6 +18,7 @@ from evaluators import caption_metrics as CM
 from evaluators import ranks as RK
 from evaluators import retrieval as R
 from evaluators import retrieval_data
+from prolip_jax.trainer.build import EVAL_KEYS  # a run's settings of an evaluator, not its config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -344,7 +345,7 @@ def test_cub_config_end_to_end(tmp_path):
     root = write_cub(tmp_path)
     config = evaluate.load_config(str(ROOT / "configs/eval/cub.py"), [
         f"--config.root={root}", "--config.unc_bins=2"])
-    ecfg = {k: v for k, v in config.evals.cub.to_dict().items() if k not in evaluate.EVAL_KEYS}
+    ecfg = {k: v for k, v in config.evals.cub.to_dict().items() if k not in EVAL_KEYS}
     model, params, tok = micro()
     ev = R.Evaluator(ecfg, model, tokenizer=tok)
     res = dict(ev.run(params))

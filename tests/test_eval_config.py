@@ -14,9 +14,9 @@ import pytest
 import evaluators
 from evaluators import prompt_reweighting, zeroshot
 from prolip_jax.runtime import config_args, schema
+from prolip_jax.trainer.build import EVAL_KEYS  # a run's settings of an evaluator, not its config
 
 ROOT = Path(__file__).resolve().parents[1]
-EVAL_KEYS = ("type", "log_steps", "prefix")   # the trainer's / evaluate.py's, not the evaluator's
 
 
 def config_class(kind: str) -> type:
