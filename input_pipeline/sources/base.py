@@ -56,10 +56,15 @@ class DataSource:
         """The name of the source that reads `cfg` ("auto" picks one by data.path)."""
         return self.name
 
+    def check_path(self, path: Any) -> None:
+        """ValueError when this source reads data.path and `path` is empty (the trainer asks
+        before it probes a bucket, `check` again for every config)."""
+        if self.path_hint and not path:
+            raise ValueError(f"data.source={self.name!r} needs data.path ({self.path_hint}).")
+
     def check(self, cfg: Any) -> None:
         """ValueError, one line naming the field, for what this source needs and refuses."""
-        if self.path_hint and not cfg.path:
-            raise ValueError(f"data.source={self.name!r} needs data.path ({self.path_hint}).")
+        self.check_path(cfg.path)
         if cfg.splits or cfg.noise_ratio or cfg.positive_level != "image":
             raise ValueError(f"data.splits, data.noise_ratio and data.positive_level apply "
                              f"to the caption sources {CAPTION_SOURCES}, not "

@@ -125,8 +125,7 @@ def build_train_data(tc: Any, model_config: Any, scfg: Any) -> TrainData:
                                         model_config.text.vocab_size, seed=run.seed))
     data_cfg = {**d, "batch_size": run.batch_size}
     data_cfg.setdefault("seed", run.seed)
-    if source.path_hint and not d.get("path"):
-        raise ValueError(f"data.source={d['source']!r} needs data.path ({source.path_hint})")
+    source.check_path(d.get("path"))
     for pattern in split_patterns(d.get("path") or ""):  # a bucket: one line on what is wrong
         paths.check_reachable(pattern, "data.path", "--config.data.path")
     if data_cfg.get("tokenizer") and not data_cfg["tokenizer"].get("path") and not source.own_tokenizer:
