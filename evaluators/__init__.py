@@ -11,8 +11,9 @@ an error naming the nearest field) and its data reader beside it, and one line i
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable, Iterator, Protocol
+
+from prolip_jax.runtime import registry
 
 
 class Evaluator(Protocol):
@@ -45,13 +46,7 @@ REGISTRY: dict[str, str | type] = {
 
 def get(kind: str) -> type:
     """The evaluator class registered as `kind`; ValueError listing the known names."""
-    if kind not in REGISTRY:
-        raise ValueError(f"unknown evaluator type {kind!r}; registered: {sorted(REGISTRY)}")
-    entry = REGISTRY[kind]
-    if isinstance(entry, str):
-        module, _, name = entry.partition(":")
-        entry = getattr(importlib.import_module(module), name)
-    return entry
+    return registry.load(REGISTRY, kind, f"unknown evaluator type {kind!r}")
 
 
 def build(kind: str, config: Any, model: Any, tokenizer: Any = None) -> Evaluator:

@@ -10,9 +10,8 @@ fields it reads are declared in input_pipeline.config.DataConfig beside the othe
 """
 from __future__ import annotations
 
-import importlib
-
 from input_pipeline.sources.base import DataSource, Records
+from prolip_jax.runtime import registry
 
 # "module:attribute", imported by `get` when a config names it (as evaluators.REGISTRY): a run
 # loads only its own source's dependencies.
@@ -38,7 +37,4 @@ __all__ = ["AUTO", "DataSource", "RANDOM", "READ_BY_THE_PIPELINE", "REGISTRY", "
 
 def get(name: str) -> DataSource:
     """The source registered as `name`; ValueError listing the known names."""
-    if name not in REGISTRY:
-        raise ValueError(f"unknown data.source {name!r}; registered: {sorted(REGISTRY)}")
-    module, _, attribute = REGISTRY[name].partition(":")
-    return getattr(importlib.import_module(module), attribute)
+    return registry.load(REGISTRY, name, f"unknown data.source {name!r}")

@@ -38,8 +38,9 @@ its value does not depend on how the batch is spread over devices.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from prolip_jax.runtime import registry
 
 # name -> "module" or "module:attribute" (an object with Config, loss and the three flags),
 # imported lazily so that one objective's import never slows or breaks the others.
@@ -60,9 +61,4 @@ REGISTRY: dict[str, str] = {
 
 def get(name: str) -> Any:
     """The objective module registered as `name`; ValueError listing the known names."""
-    if name not in REGISTRY:
-        raise ValueError(f"config.loss.objective={name!r} is not a registered objective; "
-                         f"registered: {sorted(REGISTRY)}")
-    module, _, attr = REGISTRY[name].partition(":")
-    found = importlib.import_module(module)
-    return getattr(found, attr) if attr else found
+    return registry.load(REGISTRY, name, f"config.loss.objective={name!r} is not a registered objective")
