@@ -1,7 +1,10 @@
 """`DataConfig`: every knob of the input pipeline, built from a config-like mapping.
 
-The trainer passes `config.data` (an ml_collections ConfigDict or a plain dict); unknown keys
-are an error that lists the valid ones, so a typo in `--config.data.x=...` is caught at start.
+`from_mapping` parses `config.data` (an ml_collections ConfigDict or a plain dict) like every
+other section (prolip_jax/runtime/schema.py): an unknown key names the nearest field and an
+ill-typed value its type, so a typo in `--config.data.x=...` is caught at start. What the
+source needs (data.path, ...) is asked by `check_source` when the data is read, not at parse
+time: a config may leave its paths to the command line or to a later step.
 """
 from __future__ import annotations
 
@@ -10,11 +13,8 @@ from typing import Any, Mapping, Sequence
 
 from input_pipeline import sources, transforms
 from prolip_jax.core.normalization import NORMALIZATIONS
+from prolip_jax.runtime import schema
 
-# The sources (input_pipeline/sources/: one module each, one line in its REGISTRY) the
-# pipeline reads; AUTO picks one of them from the ending of data.path's names (at construction).
-SOURCES = sources.READ_BY_THE_PIPELINE
-AUTO = sources.AUTO
 ITERATIONS = ("per_caption", "per_image")
 POSITIVE_LEVELS = ("image", "class")
 IMAGE_DTYPES = ("float32", "uint8")
@@ -23,7 +23,9 @@ IMAGE_DTYPES = ("float32", "uint8")
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Input pipeline configuration (field comments give the meaning and the default's origin)."""
-    source: str = "array_record"        # one of SOURCES, or AUTO
+    # A name in input_pipeline/sources REGISTRY; "auto" becomes the one data.path's names say.
+    source: str = dataclasses.field(default="array_record",
+                                    metadata={"choices": tuple(sources.REGISTRY)})
     path: str | Sequence[str] = ""      # tar / array_record: files, globs, brace patterns;
                                         # csv: the listing file
     batch_size: int = 256               # GLOBAL batch size; each host yields batch/P rows
@@ -95,9 +97,10 @@ class DataConfig:
     csv_separator: str = "\t"
 
     def __post_init__(self):
-        if self.source not in (*SOURCES, AUTO):
-            raise ValueError(f"data.source must be one of {(*SOURCES, AUTO)}, got {self.source!r}.")
-        object.__setattr__(self, "source", self.data_source().resolve(self))
+        if self.source not in sources.REGISTRY:
+            raise ValueError(f"data.source={self.source!r} is not one of {tuple(sources.REGISTRY)}")
+        if self.path:   # without one, check_source says what is missing
+            object.__setattr__(self, "source", self.data_source().resolve(self))
         if self.image_dtype not in IMAGE_DTYPES:
             raise ValueError(f"data.image_dtype must be one of {IMAGE_DTYPES}, got "
                              f"{self.image_dtype!r}.")
@@ -116,8 +119,18 @@ class DataConfig:
         if self.num_epochs is not None and self.num_epochs < 1:
             raise ValueError(f"data.num_epochs must be None or >= 1, got {self.num_epochs}.")
         self._check_captions()
-        self.data_source().check(self)   # what this source needs (data.path, ...) and refuses
         self.augment_config()   # validates the augmentation fields
+
+    def check_source(self) -> None:
+        """ValueError, one line naming the field, for what the source needs (data.path, ...) and
+        refuses; asked by whoever reads the data, before any I/O."""
+        if self.source == sources.AUTO:
+            self.data_source().resolve(self)   # raises: it has no data.path to go by
+        source = self.data_source()
+        if source.draws_batches:
+            raise ValueError(f"data.source={self.source!r} draws its batches itself: the input "
+                             "pipeline reads no records for it.")
+        source.check(self)
 
     def data_source(self) -> sources.DataSource:
         """The registered source of `source` (input_pipeline/sources/)."""
@@ -137,24 +150,15 @@ class DataConfig:
                              f"{self.captions_per_image}.")
 
     @classmethod
-    def from_mapping(cls, config: "Mapping[str, Any] | DataConfig") -> "DataConfig":
+    def from_mapping(cls, config: "Mapping[str, Any] | DataConfig", where: str = "data"
+                     ) -> "DataConfig":
+        """`config` parsed against the fields above (`where` names it in messages)."""
         if isinstance(config, DataConfig):
             return config
-        if hasattr(config, "to_dict"):   # ml_collections.ConfigDict
-            config = config.to_dict()
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(config) - known)
-        if unknown:
-            raise ValueError(f"Unknown data config keys {unknown}; valid keys: {sorted(known)}.")
-        kwargs = dict(config)
-        for name in ("crop_scale", "crop_ratio", "color_jitter"):
-            if name in kwargs:
-                kwargs[name] = tuple(kwargs[name])
-        if isinstance(kwargs.get("splits"), str):   # --config.data.splits=train,restval
-            kwargs["splits"] = tuple(s for s in kwargs["splits"].split(",") if s)
-        elif kwargs.get("splits") is not None:
-            kwargs["splits"] = tuple(kwargs["splits"])
-        return cls(**kwargs)
+        values = schema.plain(config)
+        if isinstance(values.get("splits"), str):   # --config.data.splits=train,restval
+            values["splits"] = tuple(s for s in values["splits"].split(",") if s)
+        return schema.parse(cls, values, where)
 
     def replace(self, **kwargs: Any) -> "DataConfig":
         return dataclasses.replace(self, **kwargs)

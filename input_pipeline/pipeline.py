@@ -198,6 +198,8 @@ class InputIterator(grain.DatasetIterator):
         self._max_truncated_share = max_truncated_share
         self._context_length = context_length
         self._warned_truncation = False
+        # A caption source's CaptionIndex (which pairs data.noise_ratio corrupted), else None.
+        self.caption_index: Any = None
         self._started = False
         self._receiver = shared_batches.Receiver()   # images from worker processes' rings
 
@@ -446,6 +448,7 @@ def _build(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer | None, 
     """(dataset, fingerprint, host/worker layout, the order dataset that holds the origin,
     the random-access source or None)."""
     cfg = DataConfig.from_mapping(config)
+    cfg.check_source()
     h, p = _process_index_count(process_index, process_count)
     if cfg.batch_size % p:
         raise ValueError(f"data.batch_size={cfg.batch_size} is not divisible by the "
@@ -525,6 +528,7 @@ def build_train_iterator(config: Mapping[str, Any] | DataConfig,
     positives) and the iterator's `caption_index` (captions.CaptionIndex; None otherwise),
     whose noisy pairs captions.write_noisy_pairs records."""
     cfg = DataConfig.from_mapping(config)
+    cfg.check_source()   # before the tokenizer is opened: the source may bring its own
     tokenizer = resolve_tokenizer(cfg, tokenizer)
     ds, fingerprint, layout, order, src = _build(cfg, tokenizer, True, process_index,
                                                  process_count)

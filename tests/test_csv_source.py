@@ -133,9 +133,9 @@ def test_bad_listings_are_one_line(listing, tmp_path):
     assert "lists no image-text pairs" in _error(_cfg(empty))
     assert "does not exist" in _error(_cfg(tmp_path / "nowhere.csv"))
     with pytest.raises(ValueError, match=r"data.source='csv' needs data.path \(a .csv, .tsv or .parquet"):
-        DataConfig(source="csv")
+        DataConfig(source="csv").check_source()
     with pytest.raises(ValueError, match="data.csv_separator must be one character"):
-        DataConfig(source="csv", path="x.csv", csv_separator="::")
+        DataConfig(source="csv", path="x.csv", csv_separator="::").check_source()
 
 
 def test_auto_and_the_registry_know_listings():

@@ -299,14 +299,14 @@ def test_noise_corrupts_exactly_and_is_written(coco, tmp_path):
 ])
 def test_config_errors_name_the_field(coco, field, value, match):
     with pytest.raises(ValueError, match=match):
-        DataConfig.from_mapping(_coco_cfg(coco, **{field: value}))
+        DataConfig.from_mapping(_coco_cfg(coco, **{field: value})).check_source()
 
 
 def test_config_needs_the_files():
     with pytest.raises(ValueError, match="data.caption_file"):
-        DataConfig.from_mapping(_cfg("flickr30k", image_root="/x"))
+        DataConfig.from_mapping(_cfg("flickr30k", image_root="/x")).check_source()
     with pytest.raises(ValueError, match="data.image_root"):
-        DataConfig.from_mapping(_cfg("cub"))
+        DataConfig.from_mapping(_cfg("cub")).check_source()
     assert DataConfig.from_mapping(_cfg("cub", image_root="/x", splits="train1,val1")).splits == (
         "train1", "val1")
 

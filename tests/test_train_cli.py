@@ -45,6 +45,9 @@ def _run_main(args, workdir):
     (["--config", TINY, "--config.model.variant=B/17"], r"unknown model variant 'B/17'"),
     (["--config", TINY, "--config.data.source=tar", "--config.data.path=/nowhere/{0..1}.tar"],
      r"needs data\.tokenizer\.path"),
+    (["--config", TINY, "--config.data.source=tar"], r"data\.source='tar' needs data\.path \(files, globs"),
+    (["--config", TINY, "--config.data.source=auto"], r"data\.source='auto' needs data\.path"),
+    (["--config", TINY, "--config.data.crop_scale=(0.8,)"], r"config\.data\.crop_scale=\(0\.8,\) needs 2 values"),
     (["--config", TINY, "--config.optim.locked=('^vision/',)"],
      r"optim\.locked pattern '\^vision/' matches no parameter \(parameters look like: "),
     (["--config", TINY, "--config.init.path=/nowhere/model.safetensors"], r"/nowhere/model\.safetensors"),
@@ -85,6 +88,30 @@ def test_every_data_field_can_be_overridden():
     data = config.data.to_dict()
     assert data["num_epochs"] is None and data["label_key"] is None
     DataConfig.from_mapping({**data, "source": "demo"})
+
+
+def test_the_data_section_is_parsed_once_and_its_source_checked_when_built():
+    """`config.data` is typed at the top like every section; what its source needs (data.path)
+    is asked when the data is built, so a config may leave its paths to the command line."""
+    from prolip_jax.trainer import config as trainer_config
+
+    config, _ = train.parse_command_line(["prolip_jax.train", "--config", f"{ROOT}/configs/prolip_b16_datacomp.py",
+                                          "--workdir", "/unused"])
+    tc = trainer_config.parse_config(config)
+    assert (tc.data.source, tc.data.path, tc.data.batch_size) == ("tar", "", config.batch_size)
+    with pytest.raises(ValueError, match=r"data\.source='tar' needs data\.path"):
+        tc.data.check_source()
+    recorded = trainer_config.record(tc)["data"]
+    assert "batch_size" not in recorded and recorded["tokenizer"]["kind"] == config.data.tokenizer.kind
+    # "auto" is resolved once, from the names: every part and the checkpoint see the source named.
+    config, _ = train.parse_command_line(["prolip_jax.train", "--config", TINY, "--workdir", "/unused",
+                                          "--config.data.source=auto", "--config.data.path=/d/{0..3}.array_record"])
+    assert trainer_config.record(trainer_config.parse_config(config))["data"]["source"] == "array_record"
+    # A config file that sets data.batch_size must agree with the run's batch.
+    with config.unlocked():
+        config.data.batch_size = config.batch_size + 1
+    with pytest.raises(ValueError, match=r"config\.data\.batch_size=\d+ differs from config\.batch_size=\d+"):
+        trainer_config.parse_config(config)
 
 
 def test_entry_point_bad_config_path(tmp_path):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import evaluators
+from input_pipeline.config import DataConfig
 from prolip_jax.runtime import messages, train_flags
 from prolip_jax import train
 from prolip_jax.trainer import config as trainer_config, console as trainer_console
@@ -137,11 +138,11 @@ def test_the_evaluate_command_fits_the_run_data():
                         r"coco\.py --out /runs/x/eval --config\.karpathy_json=/c/k\.json --config\.image_root=/c"),
                        ({"source": "tar"}, r"imagefolder\.py --out /runs/x/eval --config\.root=YOUR_IMAGEFOLDER")):
         assert re.fullmatch(r"python \S*scripts/evaluate\.py --checkpoint /runs/x --config \S*configs/eval/" + tail,
-                            trainer_console.evaluate_command(w, data)), data
+                            trainer_console.evaluate_command(w, DataConfig.from_mapping(data))), data
     # A run with its own zero-shot folder (configs/own_data.py:zeroshot=DIR) is evaluated on it.
     config, _ = train.parse_command_line(["prolip_jax.train", "--config", f"{ROOT}/configs/own_data.py:zeroshot=/d/digits",
                                           "--workdir", "/u", "--config.evals.zeroshot.split=test"])
-    assert trainer_console.evaluate_command(w, {"source": "tar"}, config.evals).endswith(
+    assert trainer_console.evaluate_command(w, DataConfig(source="tar"), config.evals).endswith(
         "imagefolder.py --out /runs/x/eval --config.root=/d/digits --config.split=test")
 
 

@@ -9,7 +9,7 @@ config from the model (`for_model`), and which configs/eval/ file evaluates a ru
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 from input_pipeline.captions import CAPTION_SOURCES
 
@@ -41,7 +41,7 @@ class DataSource:
     """One `data.source`. Subclasses set `name` and override what differs from these defaults.
 
     `cfg` below is an input_pipeline.config.DataConfig (not imported: the config imports this
-    package); `data` is the trainer's `config.data` as a dict.
+    package).
     """
     name: str = ""
     # What data.path holds; "" for the sources that read no data.path (the config refuses an
@@ -56,15 +56,10 @@ class DataSource:
         """The name of the source that reads `cfg` ("auto" picks one by data.path)."""
         return self.name
 
-    def check_path(self, path: Any) -> None:
-        """ValueError when this source reads data.path and `path` is empty (the trainer asks
-        before it probes a bucket, `check` again for every config)."""
-        if self.path_hint and not path:
-            raise ValueError(f"data.source={self.name!r} needs data.path ({self.path_hint}).")
-
     def check(self, cfg: Any) -> None:
         """ValueError, one line naming the field, for what this source needs and refuses."""
-        self.check_path(cfg.path)
+        if self.path_hint and not cfg.path:
+            raise ValueError(f"data.source={self.name!r} needs data.path ({self.path_hint}).")
         if cfg.splits or cfg.noise_ratio or cfg.positive_level != "image":
             raise ValueError(f"data.splits, data.noise_ratio and data.positive_level apply "
                              f"to the caption sources {CAPTION_SOURCES}, not "
@@ -85,18 +80,18 @@ class DataSource:
         """The source's own tokenizer (when `own_tokenizer`)."""
         raise NotImplementedError(f"data.source={self.name!r} has no tokenizer of its own")
 
-    def for_model(self, data: dict[str, Any], context_length: int) -> dict[str, Any]:
-        """The trainer's data config with what the model decides (the text context length)."""
-        if data.get("tokenizer"):
-            data["tokenizer"] = {"context_length": context_length, **data["tokenizer"]}
-        return data
+    def for_model(self, cfg: Any, context_length: int) -> Any:
+        """`cfg` with what the model decides (the text context length), for the trainer."""
+        if not cfg.tokenizer:
+            return cfg
+        return cfg.replace(tokenizer={"context_length": context_length, **cfg.tokenizer})
 
     def batches(self, global_batch: int, image_size: int, context_length: int, vocab_size: int,
                 seed: int) -> Any:
         """This host's batch iterator (when `draws_batches`)."""
         raise NotImplementedError(f"data.source={self.name!r} draws no batches itself")
 
-    def evaluate_with(self, data: Mapping[str, Any]) -> tuple[str, str]:
+    def evaluate_with(self, cfg: Any) -> tuple[str, str]:
         """(configs/eval/ file, its flags) that evaluate a run trained on this source: by
         default zero-shot on an ImageFolder the user names."""
         return "imagefolder.py", " --config.root=YOUR_IMAGEFOLDER"

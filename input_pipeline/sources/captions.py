@@ -4,7 +4,7 @@ correspondence), by random access."""
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 from input_pipeline import captions
 from input_pipeline.sources import get
@@ -27,7 +27,7 @@ class CaptionDataSource(DataSource):
 
     def __init__(self, name: str, needs: tuple[str, ...], reader: Callable[..., Any],
                  captions_per_image: int | None = None, has_classes: bool = False,
-                 evaluate_with: Callable[[Mapping[str, Any]], tuple[str, str]] | None = None):
+                 evaluate_with: Callable[[Any], tuple[str, str]] | None = None):
         self.name, self.needs, self.reader = name, needs, reader
         self.splits, self.default_splits = captions.CAPTION_SPLITS[name], captions.DEFAULT_SPLITS[name]
         self.captions_per_image = captions_per_image   # when data.captions_per_image is None
@@ -69,8 +69,8 @@ class CaptionDataSource(DataSource):
             "positive_level": cfg.positive_level, "noise_ratio": cfg.noise_ratio,
             "noise_seed": cfg.noise_seed})]
 
-    def evaluate_with(self, data: Mapping[str, Any]) -> tuple[str, str]:
-        return self._evaluate_with(data) if self._evaluate_with else super().evaluate_with(data)
+    def evaluate_with(self, cfg: Any) -> tuple[str, str]:
+        return self._evaluate_with(cfg) if self._evaluate_with else super().evaluate_with(cfg)
 
 
 def load_index(cfg: Any) -> captions.CaptionIndex:
@@ -81,8 +81,8 @@ def load_index(cfg: Any) -> captions.CaptionIndex:
 # COCO: the first 5 captions by default (the 5-caption protocol, as the retrieval evaluator).
 COCO_KARPATHY = CaptionDataSource(
     "coco_karpathy", ("caption_file", "image_root"), _karpathy, captions_per_image=5,
-    evaluate_with=lambda d: ("coco.py", f" --config.karpathy_json={d.get('caption_file')} "
-                                        f"--config.image_root={d.get('image_root')}"))
+    evaluate_with=lambda cfg: ("coco.py", f" --config.karpathy_json={cfg.caption_file} "
+                                          f"--config.image_root={cfg.image_root}"))
 FLICKR30K = CaptionDataSource("flickr30k", ("caption_file", "image_root"), _karpathy)
 CUB = CaptionDataSource("cub", ("image_root",), _cub, has_classes=True,
-                        evaluate_with=lambda d: ("cub.py", f" --config.root={d.get('image_root')}"))
+                        evaluate_with=lambda cfg: ("cub.py", f" --config.root={cfg.image_root}"))

@@ -3,7 +3,7 @@ first use from `data.demo` (DemoConfig fields + "cache_dir", + "split", default 
 its own word-level tokenizer."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 from input_pipeline import demo
 from input_pipeline.sources.array_record import read_files
@@ -17,10 +17,10 @@ def open_demo(cfg: Any) -> tuple[Any, str]:
     return demo.get_demo(**kwargs), split
 
 
-def run_kwargs(data: Mapping[str, Any], context_length: int) -> dict[str, Any]:
+def run_kwargs(cfg: Any, context_length: int) -> dict[str, Any]:
     """`demo.get_demo` kwargs of a run: `data.demo` with the model's context length (part of
     the cache key), so whoever else opens the run's dataset finds the same cache folder."""
-    return {"context_length": context_length, **(data.get("demo") or {})}
+    return {"context_length": context_length, **(cfg.demo or {})}
 
 
 class DemoSource(DataSource):
@@ -34,12 +34,10 @@ class DemoSource(DataSource):
     def tokenizer(self, cfg: Any) -> Any:
         return open_demo(cfg)[0].tokenizer()
 
-    def for_model(self, data: dict[str, Any], context_length: int) -> dict[str, Any]:
-        data.pop("tokenizer", None)
-        data["demo"] = run_kwargs(data, context_length)
-        return data
+    def for_model(self, cfg: Any, context_length: int) -> Any:
+        return cfg.replace(tokenizer=None, demo=run_kwargs(cfg, context_length))
 
-    def evaluate_with(self, data: Mapping[str, Any]) -> tuple[str, str]:
+    def evaluate_with(self, cfg: Any) -> tuple[str, str]:
         return "demo.py", ""
 
 

@@ -3,7 +3,7 @@ the step without the input pipeline), drawn for the *global* batch from (seed, s
 to this host's rows, so a run gives the same global batches on any number of hosts."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -69,7 +69,7 @@ class RandomSource(DataSource):
                 seed: int) -> RandomBatches:
         return RandomBatches(global_batch, image_size, context_length, vocab_size, seed=seed)
 
-    def evaluate_with(self, data: Mapping[str, Any]) -> tuple[str, str]:
+    def evaluate_with(self, cfg: Any) -> tuple[str, str]:
         return "demo.py", ""   # nothing of its own to evaluate on: the demo's benchmark
 
 

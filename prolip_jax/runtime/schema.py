@@ -16,6 +16,7 @@ so a knob is declared once and a bad one fails before anything compiles.
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import difflib
 import types
@@ -25,6 +26,11 @@ from typing import Any, Literal, Mapping
 from prolip_jax.runtime import messages
 
 _SCALARS = (bool, int, float, str)
+
+
+class FieldTypeError(TypeError, ValueError):
+    """A config value of the wrong type: a user's mistake, reported in one line like a bad value
+    (a ValueError too, so whoever reports those reports it)."""
 
 
 def fields(cls: type) -> tuple[str, ...]:
@@ -143,37 +149,37 @@ def _check_type(value: Any, hint: Any, name: str) -> Any:
                 return _check_type(value, option, name)
             except (TypeError, ValueError) as e:
                 errors.append(e)
-        raise errors[-1] if len(errors) == 1 else TypeError(
+        raise errors[-1] if len(errors) == 1 else FieldTypeError(
             f"{name}={value!r} is not a {_name(hint)}")
-    if origin in (tuple, list, typing.Sequence) or hint in (tuple, list):
+    if origin in (tuple, list, collections.abc.Sequence) or hint in (tuple, list):
         if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
-            raise TypeError(f"{name}={value!r} is not a {_name(hint)}")
-        if args and args[-1] is Ellipsis:
+            raise FieldTypeError(f"{name}={value!r} is not a {_name(hint)}")
+        if args and (args[-1] is Ellipsis or origin is not tuple):  # tuple[T, ...], list[T], Sequence[T]
             return tuple(_check_type(v, args[0], f"{name}[{i}]") for i, v in enumerate(value))
         if args:
             if len(args) != len(value):
-                raise TypeError(f"{name}={value!r} needs {len(args)} values")
+                raise FieldTypeError(f"{name}={value!r} needs {len(args)} values")
             return tuple(_check_type(v, a, f"{name}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
         return tuple(value)
-    if origin in (dict, Mapping) or hint in (dict, Mapping) or origin is typing.Mapping:
+    if origin in (dict, collections.abc.Mapping) or hint in (dict, Mapping):
         if not isinstance(value, Mapping):
-            raise TypeError(f"{name}={value!r} is not a dict")
+            raise FieldTypeError(f"{name}={value!r} is not a dict")
         return dict(value)
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name}={value!r} is not a number")
+            raise FieldTypeError(f"{name}={value!r} is not a number")
         return float(value)
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name}={value!r} is not an integer")
+            raise FieldTypeError(f"{name}={value!r} is not an integer")
         return value
     if hint is bool:
         if not isinstance(value, bool):
-            raise TypeError(f"{name}={value!r} is not True/False")
+            raise FieldTypeError(f"{name}={value!r} is not True/False")
         return value
     if hint is str:
         if not isinstance(value, str):
-            raise TypeError(f"{name}={value!r} is not a string")
+            raise FieldTypeError(f"{name}={value!r} is not a string")
         return value
     return value
 

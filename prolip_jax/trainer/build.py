@@ -68,8 +68,8 @@ def validate(tc: TrainConfig, mesh, mcfg: ProLIPConfig) -> None:
     step_lib.check_batch_layout(tc.run.batch_size, sharding.num_batch_shards(mesh), scfg)
     if tc.run.batch_size % jax.process_count():
         raise ValueError(f"batch_size {tc.run.batch_size} is not divisible by {jax.process_count()} hosts")
-    if tc.data.get("image_size") != mcfg.vision.image_size:
-        raise ValueError(f"data.image_size={tc.data.get('image_size')} but the model expects "
+    if tc.data.image_size != mcfg.vision.image_size:
+        raise ValueError(f"data.image_size={tc.data.image_size} but the model expects "
                          f"{mcfg.vision.image_size} px images")
     if module.NEEDS_LOGVAR and not (mcfg.vision.embed_unc and mcfg.text.embed_unc):
         raise ValueError(f"config.loss.objective={tc.objective!r} needs log sigma^2 from both towers, but the "

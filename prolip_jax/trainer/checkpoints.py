@@ -133,7 +133,7 @@ class Checkpoints:
 def gist(e: BaseException, run: Run) -> str:
     """The failure `e` in a few words for the one line."""
     if isinstance(e, StopIteration):
-        return (f"its data ended (data.num_epochs={run.tc.data.get('num_epochs')}): raise "
+        return (f"its data ended (data.num_epochs={run.tc.data.num_epochs}): raise "
                 "--config.data.num_epochs or lower --config.total_steps")
     if isinstance(e, (NoRecordsError, DataStalled, paths.BucketError)):  # written for the user: shown whole
         return " ".join(str(e).split())

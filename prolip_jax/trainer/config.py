@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
 from typing import Any, Literal
 
-from input_pipeline import sources as data_sources
 from input_pipeline.config import DataConfig
 from prolip_jax.core import checkpoint as ckpt_lib
 from prolip_jax.core import objectives, optim, sharding
@@ -88,7 +86,7 @@ class ModelOptions:
 
 # The config's sections and the dataclass declaring each one's fields, beside the code that uses
 # them. `loss` is the selected objective's Config (prolip_jax/core/objectives/); `data` is
-# input_pipeline.DataConfig (validated by the pipeline when it is built, before compiling).
+# input_pipeline.DataConfig (its source's needs, such as data.path, are checked when it is built).
 SECTIONS: dict[str, type] = {
     "model": ModelOptions,
     "masking": step_lib.MaskingConfig,  # ProLIP's masked forward
@@ -119,13 +117,12 @@ class TrainConfig:
     profile: profiling.ProfileConfig
     objective: str  # a name in prolip_jax.core.objectives.REGISTRY
     loss: Any  # that objective's Config
-    # `config.data` as a dict, its keys and source checked: the pipeline builds its DataConfig from
-    # it with what only the model knows (prolip_jax/trainer/data.py), and "random" needs no pipeline.
-    data: dict[str, Any]
+    # The batch is the run's (config.batch_size) and the seed, unless data.seed sets it, too.
+    data: DataConfig
 
     @property
     def normalization(self) -> str:
-        return self.data.get("normalization", "openai")
+        return self.data.normalization
 
 
 def objective_name(config) -> str:
@@ -142,14 +139,17 @@ def parse_config(config) -> TrainConfig:
     module = objectives.get(name)
     loss = schema.parse(module.Config, {k: v for k, v in (config.get("loss") or {}).items() if k != "objective"},
                         f"config.loss (objective {name!r})")
-    data = config.data.to_dict() if "data" in config else {}
-    if data:
-        schema.check_keys(data.keys(), schema.fields(DataConfig), "config.data")
-        if data.get("source") not in data_sources.REGISTRY:
-            raise ValueError(f"config.data.source={data.get('source')!r} is not one of {tuple(data_sources.REGISTRY)}")
-        if data.get("path"):  # "auto" becomes the source the names say: every part below sees it named
-            data["source"] = data_sources.get(data["source"]).resolve(types.SimpleNamespace(**data))
-    return TrainConfig(run=run, **sections, objective=name, loss=loss, data=data)
+    return TrainConfig(run=run, **sections, objective=name, loss=loss, data=parse_data(config.get("data"), run))
+
+
+def parse_data(section, run: RunConfig) -> DataConfig:
+    """`config.data` typed: the run's batch and (unless the section sets one) seed; "auto"
+    resolved to the source data.path's names say."""
+    values = schema.plain(section) if section is not None else {}
+    if values.get("batch_size", run.batch_size) != run.batch_size:
+        raise ValueError(f"config.data.batch_size={values['batch_size']} differs from config.batch_size="
+                         f"{run.batch_size}, the run's global batch: remove data.batch_size")
+    return DataConfig.from_mapping({"seed": run.seed, **values, "batch_size": run.batch_size}, "config.data")
 
 
 def record(tc: TrainConfig) -> dict[str, Any]:
@@ -160,7 +160,8 @@ def record(tc: TrainConfig) -> dict[str, Any]:
     run = dataclasses.asdict(tc.run)
     run["evals"] = {k: schema.plain(v) for k, v in tc.run.evals.items()}
     loss = {"objective": tc.objective, **dataclasses.asdict(tc.loss)}
-    return json.loads(json.dumps({**run, **sections, "loss": loss, "data": tc.data}, default=str))
+    data = {k: v for k, v in dataclasses.asdict(tc.data).items() if k != "batch_size"}  # the run's
+    return json.loads(json.dumps({**run, **sections, "loss": loss, "data": data}, default=str))
 
 
 def recorded(cls: type, saved: Any) -> Any:

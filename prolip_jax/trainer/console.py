@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from input_pipeline import sources as data_sources
+from input_pipeline.config import DataConfig
 
 
 def headline(evaluator: Any, values: dict[str, Any]) -> list[str]:
@@ -41,7 +41,7 @@ def console_lines(values: dict[str, Any], evaluator_headlines: list[str]) -> lis
     return [training, evaluator_headlines]
 
 
-def evaluate_command(workdir: Path, data: dict[str, Any], evals: dict[str, Any] | None = None) -> str:
+def evaluate_command(workdir: Path, data: DataConfig, evals: dict[str, Any] | None = None) -> str:
     """The command that evaluates the checkpoint of `workdir` (scripts/evaluate.py) with the eval
     config that fits the run's data (configs/eval/): the demo's, the caption benchmark's with the
     run's own paths, or zero-shot on an ImageFolder: the run's own zero-shot folder when `evals`
@@ -49,7 +49,7 @@ def evaluate_command(workdir: Path, data: dict[str, Any], evals: dict[str, Any] 
     def here(path: Path) -> str:  # relative to the working directory when inside it
         return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
-    config, flags = data_sources.get(data.get("source", "random")).evaluate_with(data)
+    config, flags = data.data_source().evaluate_with(data)
     folders = [e for e in (evals or {}).values() if e.get("type") == "zeroshot" and e.get("root")]
     if config == "imagefolder.py" and folders:
         split = folders[0].get("split", "val")

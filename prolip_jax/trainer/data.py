@@ -16,10 +16,9 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 
-from input_pipeline import sources
 from input_pipeline.config import DataConfig
 from input_pipeline.shards import split_patterns
 from input_pipeline.pipeline import build_train_iterator, resolve_tokenizer
@@ -118,27 +117,23 @@ def build_train_data(tc: Any, model_config: Any, scfg: Any) -> TrainData:
     """The data of `tc` (prolip_jax.trainer.config.TrainConfig; see configs/), with the step's
     masking settings `scfg` (prolip_jax.core.step.StepConfig)."""
     d = tc.data
-    run = tc.run
-    source = sources.get(d["source"])
+    source = d.data_source()
     if source.draws_batches:
-        return TrainData(source.batches(run.batch_size, d["image_size"], model_config.text.context_length,
-                                        model_config.text.vocab_size, seed=run.seed))
-    data_cfg = {**d, "batch_size": run.batch_size}
-    data_cfg.setdefault("seed", run.seed)
-    source.check_path(d.get("path"))
-    for pattern in split_patterns(d.get("path") or ""):  # a bucket: one line on what is wrong
+        return TrainData(source.batches(d.batch_size, d.image_size, model_config.text.context_length,
+                                        model_config.text.vocab_size, seed=tc.run.seed))
+    d.check_source()  # what the source needs, before a bucket is probed
+    for pattern in split_patterns(d.path):  # a bucket: one line on what is wrong
         paths.check_reachable(pattern, "data.path", "--config.data.path")
-    if data_cfg.get("tokenizer") and not data_cfg["tokenizer"].get("path") and not source.own_tokenizer:
-        raise ValueError(f"data.source={d['source']!r} needs data.tokenizer.path (a tokenizer file; "
+    if d.tokenizer and not d.tokenizer.get("path") and not source.own_tokenizer:
+        raise ValueError(f"data.source={d.source!r} needs data.tokenizer.path (a tokenizer file; "
                          "see input_pipeline/tokenizers.py for the kinds and where files come from)")
-    data_cfg = source.for_model(data_cfg, model_config.text.context_length)
-    data_config = DataConfig.from_mapping(data_cfg)  # the pipeline's typed config, built once here
-    tokenizer = resolve_tokenizer(data_config, None)
+    d = source.for_model(d, model_config.text.context_length)
+    tokenizer = resolve_tokenizer(d, None)
     check_tokenizer(tokenizer, model_config)
     if scfg.masks_text:
         check_masking(tokenizer, tc.masking, model_config.text.vocab_size)
-    it = build_train_iterator(data_config, tokenizer)
-    return TrainData(it, TokenizerFile.of(tokenizer, tc.masking), getattr(it, "caption_index", None))
+    it = build_train_iterator(d, tokenizer)
+    return TrainData(it, TokenizerFile.of(tokenizer, tc.masking), it.caption_index)
 
 
 def check_tokenizer(tokenizer: Any, model_config) -> None:
@@ -222,9 +217,8 @@ def check_masking(tokenizer: Any, masking: Any, model_vocab_size: int | None = N
                          f"--config.masking.protected_ids='{tuple(i for i in protected if i not in words)}'")
 
 
-def demo_kwargs(data: Mapping[str, Any], model_config) -> dict[str, Any]:
-    """`input_pipeline.demo.get_demo` kwargs of a `data.source="demo"` run: `data.demo` (the
-    trainer's `config.data` as a dict) with the model's context length (part of the cache key),
-    so whoever else opens the run's dataset (scripts/demo.py, its evaluation) finds the same
-    cache folder."""
+def demo_kwargs(data: DataConfig, model_config) -> dict[str, Any]:
+    """`input_pipeline.demo.get_demo` kwargs of a `data.source="demo"` run (the trainer's typed
+    `config.data`) with the model's context length (part of the cache key), so whoever else opens
+    the run's dataset (scripts/demo.py, its evaluation) finds the same cache folder."""
     return demo_source.run_kwargs(data, model_config.text.context_length)
