@@ -20,7 +20,7 @@ if __name__ == "__main__":
     train_flags.exit_if_supervisor(sys.argv)
 
 import os
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 
@@ -123,16 +123,23 @@ def main(argv: list[str] | None = None) -> None:
             watch.stop(code)
 
 
-if __name__ == "__main__":
+def run_command(argv: list[str] | None = None) -> NoReturn:
+    """`python -m prolip_jax.train`: `main`, then the exit. After a hung read was abandoned
+    (trainer.data.BatchFetcher) its library threads may never end, so the process ends without
+    waiting for them."""
     code = 1
     try:
-        main()
+        main(argv)
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else int(e.code is not None)
     finally:
-        if BatchFetcher.abandoned:  # a hung read's library threads and worker processes cannot end cleanly
+        if BatchFetcher.abandoned:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    run_command()

@@ -163,6 +163,29 @@ def test_the_fetcher_hands_over_batches_errors_and_stalls():
     assert not fetch._thread.is_alive()  # a closed fetcher leaves no thread behind
 
 
+def test_a_close_that_hangs_is_abandoned_and_one_that_fails_raises(monkeypatch):
+    class Closing:
+        def __init__(self, close):
+            self.close = close
+
+        def __next__(self):
+            return 1
+
+    monkeypatch.setattr(data_lib.BatchFetcher, "abandoned", False)
+    hang = threading.Event()
+    start = time.monotonic()
+    data_lib.BatchFetcher(Closing(hang.wait), timeout_s=5).close(timeout_s=0.3)
+    assert time.monotonic() - start < 3 and data_lib.BatchFetcher.abandoned  # the command ends without it
+    hang.set()
+
+    monkeypatch.setattr(data_lib.BatchFetcher, "abandoned", False)
+    def fails():
+        raise OSError("a worker is gone")
+    with pytest.raises(OSError, match="a worker is gone"):
+        data_lib.BatchFetcher(Closing(fails), timeout_s=5).close()
+    assert not data_lib.BatchFetcher.abandoned
+
+
 # A bucket whose reads never answer (a stuck mount), as a filesystem of the path layer.
 HANGING_FS = textwrap.dedent("""
     import os, threading, fsspec
@@ -182,11 +205,11 @@ def run_on_a_hanging_bucket(files, tmp_path, *flags, sig=None) -> tuple[int, str
     """(exit code, stdout, stderr, seconds from the signal to the exit) of a run whose first read
     hangs, in its own process (a hung read's threads stay behind in the process that ran it);
     with `sig`, sent once that read has begun."""
-    script = "import sys\n" + HANGING_FS + "from prolip_jax import train\ntrain.main(sys.argv)\n"
+    script = "import sys\n" + HANGING_FS + "from prolip_jax import train\ntrain.run_command(sys.argv)\n"
     argv = cli(files, tmp_path / "w", "--config.data.path=hang://bucket/x.tar", "--config.data.source=tar", *flags)
     mark = tmp_path / "reading"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-           "HANG_MARK": str(mark)}
+           "HANG_MARK": str(mark), "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen([sys.executable, "-c", script, *argv[1:]], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -196,7 +219,12 @@ def run_on_a_hanging_bucket(files, tmp_path, *flags, sig=None) -> tuple[int, str
         sent = time.monotonic()
         if sig is not None:
             proc.send_signal(sig)
-        out, err = proc.communicate(timeout=60)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # every thread's stack (faulthandler) into the failure
+            proc.send_signal(signal.SIGABRT)
+            out, err = proc.communicate(timeout=30)
+            pytest.fail(f"no exit 60 s after the signal; stdout:\n{out}\nstderr:\n{err[-6000:]}")
     finally:
         proc.kill()
     return proc.returncode, out, err, time.monotonic() - sent

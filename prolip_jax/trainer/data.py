@@ -80,25 +80,34 @@ class BatchFetcher:
             raise value
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Closes the iterator. With a read still in flight (it hangs), the close runs beside it
-        and is given `timeout_s`; its failure goes to the log: the process is ending anyway."""
-        if not self.in_flight:
-            if self._thread is not None:
-                self._requests.put(False)
-                self._thread.join()
-            self.iterator.close()
-            return
+        """Closes the iterator in a thread given `timeout_s`: a read that hangs (in flight, or
+        begun by the pipeline's own threads) can keep a close waiting forever. A close that does
+        not finish, or that runs beside a read in flight, is abandoned (`abandoned`: the command
+        then ends without waiting for those threads); its failure goes to the log. A clean close
+        that fails raises here."""
+        if self._thread is not None and not self.in_flight:
+            self._requests.put(False)
+            self._thread.join()
+        failed: list[BaseException] = []
 
         def close() -> None:
             try:
                 self.iterator.close()
-            except Exception:  # noqa: BLE001 - the workers of a hung read may never have started
-                logging.getLogger(__name__).warning("closing the data pipeline", exc_info=True)
+            except Exception as e:  # noqa: BLE001 - raised below, or logged beside a hung read
+                failed.append(e)
 
-        BatchFetcher.abandoned = True
         closing = threading.Thread(target=close, name="batch-fetcher-close", daemon=True)
         closing.start()
         closing.join(timeout_s)
+        if self.in_flight or closing.is_alive():
+            BatchFetcher.abandoned = True
+            for e in failed:  # the workers of a hung read may never have started
+                logging.getLogger(__name__).warning("closing the data pipeline", exc_info=e)
+            if closing.is_alive():
+                logging.getLogger(__name__).warning("closing the data pipeline took over %.0f s; "
+                                                    "left to end with the process", timeout_s)
+        elif failed:
+            raise failed[0]
 
 
 @dataclasses.dataclass
