@@ -14,7 +14,10 @@ Inside `to_file`, for its duration:
   * tensorstore's late callbacks into an asyncio loop that orbax has closed after a failed read
     or write ("RuntimeError: Event loop is closed", reported through sys.unraisablehook from a
     C++ thread, once per array still in flight) go to the file too, also after the block. Every
-    other unraisable exception is reported as before.
+    other unraisable exception is reported as before;
+  * so do the write tasks of a failed save that are collected after the block (asyncio reports
+    "Task exception was never retrieved" when a task is garbage-collected, as late as the
+    interpreter's exit); asyncio's other lines reach the console again.
 """
 from __future__ import annotations
 
@@ -92,8 +95,13 @@ def to_file(path: Any) -> Iterator[None]:
             lg.handlers[:], lg.propagate = handlers, propagate
             lg.setLevel(level)
         threading.excepthook = saved[1]
-        # The closed-loop callbacks can come after the block: keep filtering those, nothing else.
+        # The closed-loop callbacks and the failed save's tasks can come after the block: keep
+        # sending those to the file, nothing else.
         sys.unraisablehook = _late_filter(saved[2], handler)
+        asyncio_logger = logging.getLogger("asyncio")
+        for old in [f for f in asyncio_logger.filters if isinstance(f, _LateTasks)]:
+            asyncio_logger.removeFilter(old)
+        asyncio_logger.addFilter(_LateTasks(handler))
 
 
 def _late_filter(previous: Any, handler: _PathHandler) -> Any:
@@ -108,3 +116,20 @@ def _late_filter(previous: Any, handler: _PathHandler) -> Any:
 
     hook._prolip_previous = previous
     return hook
+
+
+class _LateTasks(logging.Filter):
+    """On asyncio's logger after a `to_file` block: its reports of tasks and futures whose
+    exception nobody retrieved (a failed save's writes, collected late) go to the file only."""
+
+    UNRETRIEVED = ("Task exception was never retrieved", "Future exception was never retrieved")
+
+    def __init__(self, handler: _PathHandler):
+        super().__init__()
+        self.handler = handler
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith(self.UNRETRIEVED):
+            self.handler.handle(record)
+            return False
+        return True
