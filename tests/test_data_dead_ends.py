@@ -254,9 +254,9 @@ def test_ctrl_c_stops_a_run_waiting_for_data_in_one_line(files, tmp_path):
     try:
         code, out, err, seconds = run_on_a_hanging_bucket(files, tmp_path, sig=signal.SIGINT)
     except NoExit as e:
-        # Open (docs/changelog.md, sixteenth session): twice under a loaded clean-clone suite the
-        # run's main thread kept polling for the batch 60 s after SIGINT, as if the signal never
-        # came; never reproduced alone. Kept visible with the stacks, not failed, until explained.
+        # Open (docs/performance.md, "Test suite time"): in the full suite the run's main thread
+        # kept polling for the batch 60 s after SIGINT, as if the signal never came; never when
+        # run alone. Kept visible with the stacks, not failed, until explained.
         if "prolip_jax/trainer/data.py" not in str(e):
             raise
         pytest.xfail(f"SIGINT not answered while waiting for data (open): {e}")
