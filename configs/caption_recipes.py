@@ -49,8 +49,8 @@ Shared by every recipe (PCME++ App. B.2 and its code, unless the method says oth
 
 Hardware and time: size=paper is 25 to 70 epochs of COCO at batch 128 (4,425 steps an epoch)
 from CLIP ViT-B/32, a single-accelerator job; none has been run or timed here. size=cpu: about
-200 steps of the tiny towers on CPU, minutes each (tests/test_caption_recipes.py trains six of
-them in ~2.5 min on 2 cores). Why size=cpu differs where it does: docs/recipes.md.
+200 steps of the tiny towers on CPU, a minute or two each (tests/test_caption_recipes.py
+trains them). Why size=cpu differs where it does: docs/recipes.md.
 """
 from __future__ import annotations
 

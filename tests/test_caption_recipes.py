@@ -1,8 +1,16 @@
 """The COCO caption recipes (configs/<method>_coco.py): every one parses into a valid trainer
-config at paper size, and the CPU-sized versions of every recipe (PCME++, PCME, DAA, Pishdad et al., VSE∞, InfoNCE) train in the real trainer
-on a generated Karpathy-format caption set (demo shapes, five captions per image) and learn:
-held-out colour x shape zero-shot top-5 accuracy above 35% (chance 5/36), read back with
-prolip_jax.load from the last checkpoint and (PCME++) from the SWA average."""
+config at paper size, and CPU-sized versions train in the real trainer on a generated
+Karpathy-format caption set (demo shapes, five captions per image) and learn: held-out colour x
+shape zero-shot top-5 accuracy above 35% (chance 5/36), read back with prolip_jax.load from the
+last checkpoint and (PCME++) from the SWA average.
+
+`make test` trains three of the six: PCME++ (AdamP, layer decay, the step schedule, the locked
+trunk and its unlock with the loss ramp, pseudo-positives, SWA), Pishdad et al. (its own heads,
+the W2 triplet after the sum warm-up) and VSE∞ (GPO, SizeAugment, the hardest negative). The
+other three differ from these by their objective (PCME, DAA on PCME, InfoNCE: each learns in
+tests/test_objectives_learn.py with the same train step) and DAA's schedule (tests/test_optim_recipes.py);
+each training is a compile of its own (~1 CPU minute), so they run with
+PROLIP_TEST_ALL_RECIPES=1."""
 from __future__ import annotations
 
 import json
@@ -114,6 +122,11 @@ def _zero_shot(checkpoint, test) -> tuple[float, float]:
 
 
 CPU_METHODS = ("pcmepp", "pishdad", "vse", "pcme", "daa", "infonce")
+ALWAYS_TRAINED = ("pcmepp", "pishdad", "vse")   # the rest with PROLIP_TEST_ALL_RECIPES=1 (docstring)
+
+
+def _trained(method: str) -> bool:
+    return method in ALWAYS_TRAINED or os.environ.get("PROLIP_TEST_ALL_RECIPES") == "1"
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +136,8 @@ def cpu_trainings(request, caption_set, tmp_path_factory):
     is single-threaded, so two side by side on 2 cores beat one after the other.
     method -> future of (the finished process, its workdir)."""
     selected = [item.callspec.params["method"] for item in request.session.items
-                if getattr(item, "originalname", None) == "test_cpu_recipe_trains_and_learns"]
+                if getattr(item, "originalname", None) == "test_cpu_recipe_trains_and_learns"
+                and _trained(item.callspec.params["method"])]
     root, _ = caption_set
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu")
@@ -144,11 +158,13 @@ def cpu_trainings(request, caption_set, tmp_path_factory):
 # log sigma^2 bias started at -10 at this size: configs/caption_recipes.py CPU_TOWERS), Pishdad
 # et al. (bounded W2 triplet after the sum warm-up), VSE∞, PCME, DAA on PCME (its weight scaled to
 # batch 32: at the paper's 1000 both towers collapse, configs/caption_recipes.py) and the InfoNCE
-# baseline, ~10-30 s each.
+# baseline.
 @pytest.mark.parametrize("method", CPU_METHODS)
 def test_cpu_recipe_trains_and_learns(method, caption_set, cpu_trainings):
     """The command a user types, in a subprocess on one CPU device (the suite's 8 fake devices on
     2 cores can starve XLA:CPU's in-process collectives, e.g. MSDA's reversed-partner permute)."""
+    if not _trained(method):
+        pytest.skip(f"{method}: trained with PROLIP_TEST_ALL_RECIPES=1 (its objective learns in test_objectives_learn.py)")
     _, test = caption_set
     run, tmp_path = cpu_trainings[method].result()
     assert run.returncode == 0, run.stderr[-3000:]

@@ -205,6 +205,18 @@ class NoExit(AssertionError):
     """The run did not end after the signal (its threads' stacks in the message)."""
 
 
+def _signal_masks(pid: int) -> str:
+    """The blocked / ignored / caught signal masks of `pid`'s threads and of this process."""
+    def masks(status: str) -> str:
+        return " ".join(line.replace("\t", "") for line in Path(status).read_text().splitlines()
+                        if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+    try:
+        threads = {t: masks(f"/proc/{pid}/task/{t}/status") for t in os.listdir(f"/proc/{pid}/task")}
+    except OSError as e:
+        return f"no signal masks ({e})"
+    return f"child threads {threads}; this process {masks('/proc/self/status')}, SIGINT handler {signal.getsignal(signal.SIGINT)}"
+
+
 def run_on_a_hanging_bucket(files, tmp_path, *flags, sig=None) -> tuple[int, str, str, float]:
     """(exit code, stdout, stderr, seconds from the signal to the exit) of a run whose first read
     hangs, in its own process (a hung read's threads stay behind in the process that ran it);
@@ -226,9 +238,10 @@ def run_on_a_hanging_bucket(files, tmp_path, *flags, sig=None) -> tuple[int, str
         try:
             out, err = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:  # every thread's stack (faulthandler) into the failure
+            masks = _signal_masks(proc.pid)
             proc.send_signal(signal.SIGABRT)
             out, err = proc.communicate(timeout=30)
-            raise NoExit(f"no exit 60 s after the signal; stdout:\n{out}\nstderr:\n{err[-6000:]}")
+            raise NoExit(f"no exit 60 s after the signal; {masks}; stdout:\n{out}\nstderr:\n{err[-6000:]}")
     finally:
         proc.kill()
     return proc.returncode, out, err, time.monotonic() - sent

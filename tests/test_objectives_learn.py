@@ -1,8 +1,8 @@
 """Every objective learns: the micro towers trained with the real train step on a 16-class
-synthetic set (benchmarks/methods_synthetic.py, 300 steps of batch 64 on one CPU device) rank the
-held-out images above chance by a wide margin (chance 6.25%; asserted >= 50%). The
-ranking objectives (DAA on PCME / VSE, Smooth-AP), whose sigmoid-relaxed ranks cover every pair
-of pairs, train 150 steps of batch 32 instead (300 x 64 took 4-5 minutes each). The
+synthetic set (benchmarks/methods_synthetic.py, 300 steps of batch 64 on one CPU device; 150 for
+those far above the bar by then) rank the held-out images above chance by a wide margin (chance
+6.25%; asserted >= 50%). The ranking objectives (DAA on PCME / VSE, Smooth-AP), whose
+sigmoid-relaxed ranks cover every pair of pairs, train 100 steps of batch 32 instead. The
 hardest-negative triplets (vse, pishdad) start with VSE∞'s warm-up, the sum over negatives for
 the first third: with the hardest negative alone they stay at chance from random towers
 (measured: 5.5% and 7.0%).
@@ -32,8 +32,12 @@ def _script():
     return module
 
 
-# (steps, batch) where not the script's 300 x 64: O((B J)^3) relaxed ranks per step.
-RANKING = {"pcme_daa": (150, 32), "vse_daa": (150, 32), "smooth_ap": (150, 32)}
+# (steps, batch) where not the script's 300 x 64. The ranking objectives: O((B J)^3) relaxed
+# ranks per step, 100 steps of batch 32 (pcme_daa and smooth_ap reach 100%, vse_daa 88%). Those
+# at 100% after 150 steps (pishdad and vse 96%) train 150: every step is CPU time of the suite;
+# pcme and siglip are at ~60% after 150, so they keep 300 (docs/methods.md).
+RANKING = {"pcme_daa": (100, 32), "vse_daa": (100, 32), "smooth_ap": (100, 32)}
+SHORTER = {"clip": (150, 64), "cyclip": (150, 64), "pcmepp": (150, 64), "pishdad": (150, 64), "vse": (150, 64)}
 # Compiled optimised (conftest.OPTIMIZED): the steps whose run time outweighs their compile
 # (smooth_ap 75 CPU s at the suite's -O0 against 17 s; PCME's J samples 15.5 against 12.6). The
 # others take fewer CPU seconds at the suite's settings (prolip 10.6 against 16.2) and score the same.
@@ -42,7 +46,7 @@ RUN_BOUND = {"pcme", *RANKING}
 
 @pytest.mark.parametrize("objective", sorted(objectives.REGISTRY))
 def test_objective_learns_the_synthetic_classes(objective):
-    steps, batch = RANKING.get(objective, (300, 64))
+    steps, batch = {**RANKING, **SHORTER}.get(objective, (300, 64))
     r = _script().train_and_evaluate(objective, steps=steps, seed=0, batch=batch,
                                      compiler_options=OPTIMIZED if objective in RUN_BOUND else None)
     assert r["zeroshot_top1"] >= 0.5 and r["t2i_R@1"] >= 0.5, r
