@@ -8,8 +8,8 @@ last checkpoint and (PCME++) from the SWA average.
 trunk and its unlock with the loss ramp, pseudo-positives, SWA), Pishdad et al. (its own heads,
 the W2 triplet after the sum warm-up) and VSE∞ (GPO, SizeAugment, the hardest negative). The
 other three differ from these by their objective (PCME, DAA on PCME, InfoNCE: each learns in
-tests/test_objectives_learn.py with the same train step) and DAA's schedule (tests/test_optim_recipes.py);
-each training is a compile of its own (~1 CPU minute), so they run with
+tests/test_objectives_learn.py with the same train step) and DAA's schedule
+(tests/test_optim_recipes.py); each training compiles a step of its own, so they run with
 PROLIP_TEST_ALL_RECIPES=1."""
 from __future__ import annotations
 

@@ -26,7 +26,6 @@ from input_pipeline.config import DataConfig
 from prolip_jax.trainer import data as data_lib
 from prolip_jax import train
 
-from test_train import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("a", "photo", "of", "the", "digit", "one", "two", "three")
@@ -201,10 +200,6 @@ HANGING_FS = textwrap.dedent("""
 """)
 
 
-class NoExit(AssertionError):
-    """The run did not end after the signal (its threads' stacks in the message)."""
-
-
 def _signal_masks(pid: int) -> str:
     """The blocked / ignored / caught signal masks of `pid`'s threads and of this process."""
     def masks(status: str) -> str:
@@ -244,7 +239,7 @@ def run_on_a_hanging_bucket(files, tmp_path, *flags, sig=None) -> tuple[int, str
             masks = _signal_masks(proc.pid)
             proc.send_signal(signal.SIGABRT)
             out, err = proc.communicate(timeout=30)
-            raise NoExit(f"no exit 60 s after the signal; {masks}; stdout:\n{out}\nstderr:\n{err[-6000:]}")
+            pytest.fail(f"no exit 60 s after the signal; {masks}; stdout:\n{out}\nstderr:\n{err[-6000:]}")
     finally:
         proc.kill()
     return proc.returncode, out, err, time.monotonic() - sent
