@@ -75,10 +75,11 @@ def get_config(arg=None):
     c.checkpoint_steps = 500
     c.keep_checkpoints = 2
     c.max_nonfinite_in_a_row = 10
-    # Evaluated during training, every `log_steps` of their own: TensorBoard curves. The final
-    # numbers come from scripts/evaluate.py on the last checkpoint.
+    # Evaluated during training, every `log_steps` of their own: TensorBoard curves (five points;
+    # the smoke run's two show that they are written). The final numbers come from
+    # scripts/evaluate.py on the last checkpoint.
     eval_demo = dict(demo)
-    every = c.total_steps // 5 or 1
+    every = c.total_steps // (2 if smoke else 5) or 1
     c.evals = mlc.ConfigDict()
     c.evals.zeroshot = dict(type="zeroshot", dataset="demo", task="object", demo=eval_demo,
                             log_steps=every)

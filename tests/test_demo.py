@@ -118,19 +118,19 @@ def test_two_demo_trainings_are_bit_identical(tmp_path, demo_cache):
     """The demo is deterministic on one machine: two fresh processes training the same config
     log the same loss at every step and end with bit-identical parameters (so two `make demo`
     runs print the same table; the evaluation is a pure function of the checkpoint)."""
-    # The smoke run's own program (its config, stopped at step 20), compiled as `make demo` does:
+    # The smoke run's own program (its config, stopped at step 10), compiled as `make demo` does:
     # after test_demo_smoke_end_to_end both runs read it from the suite's compile cache.
     runs = []
     for name in ("a", "b"):
         workdir = tmp_path / name
         run = subprocess.run([sys.executable, "-m", "prolip_jax.train", "--config", "configs/demo.py:smoke=1",
-                              "--workdir", str(workdir), "--config.log_steps=1", "--stop_at_step=20"],
+                              "--workdir", str(workdir), "--config.log_steps=1", "--stop_at_step=10"],
                              cwd=ROOT, env=_env(demo_cache), capture_output=True, text=True, timeout=900)
         assert run.returncode == 0, run.stderr[-4000:]
         losses = [(r["step"], r["loss"]) for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
                   if "loss" in r]
         runs.append((losses, workdir))
-    assert len(runs[0][0]) == 20 and runs[0][0] == runs[1][0]
+    assert len(runs[0][0]) == 10 and runs[0][0] == runs[1][0]
     from prolip_jax.core import checkpoint
 
     a, b = (checkpoint.load_params(w / "checkpoints")[0] for _, w in runs)
