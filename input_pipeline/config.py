@@ -20,6 +20,15 @@ POSITIVE_LEVELS = ("image", "class")
 IMAGE_DTYPES = ("float32", "uint8")
 
 
+def _check_weights(weights: Any, what: str, n: int) -> None:
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence) or len(weights) != n:
+        raise ValueError(f"{what}: {weights!r} is not one weight per source ({n} sources in data.mixture).")
+    if any(not isinstance(w, (int, float)) or isinstance(w, bool) or not w >= 0 for w in weights):
+        raise ValueError(f"{what}: {list(weights)} has a negative or non-numeric weight; weights are >= 0.")
+    if not sum(weights) > 0:
+        raise ValueError(f"{what} are all zero: give at least one source a positive weight.")
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Input pipeline configuration (field comments give the meaning and the default's origin)."""
@@ -95,6 +104,15 @@ class DataConfig:
     csv_img_key: str = "filepath"
     csv_caption_key: str = "title"
     csv_separator: str = "\t"
+    # Mixtures (input_pipeline/mixture.py): several sources, each a mapping of the data fields it
+    # sets over this section's (source, path, caption_file, ...) plus "weight" (>= 0) and an
+    # optional "name" (its metrics: data/<name>/...); () reads the one source above.
+    mixture: Sequence[Mapping[str, Any]] = ()
+    # Weights that change during training: ((step, (w_0, w_1, ...)), ...), steps increasing;
+    # the batches from `step` on (0-based batch index) draw with these weights.
+    mixture_stages: Sequence[tuple[int, Sequence[float]]] = ()
+    # The chunks of a batch; each comes from one source (the proportions' granularity).
+    mixture_chunks: int = 16
 
     def __post_init__(self):
         if self.source not in sources.REGISTRY:
@@ -119,6 +137,7 @@ class DataConfig:
         if self.num_epochs is not None and self.num_epochs < 1:
             raise ValueError(f"data.num_epochs must be None or >= 1, got {self.num_epochs}.")
         self._check_captions()
+        self._check_mixture()
         self.augment_config()   # validates the augmentation fields
 
     def check_source(self) -> None:
@@ -135,6 +154,35 @@ class DataConfig:
     def data_source(self) -> sources.DataSource:
         """The registered source of `source` (input_pipeline/sources/)."""
         return sources.get(self.source)
+
+    def _check_mixture(self) -> None:
+        """The mixture's weights and stages (each source's own fields are parsed when it is read,
+        input_pipeline/mixture.py `parts`)."""
+        if not self.mixture:
+            if self.mixture_stages:
+                raise ValueError("data.mixture_stages needs data.mixture (the sources whose weights it sets).")
+            return
+        n = len(self.mixture)
+        for i, entry in enumerate(self.mixture):
+            if not isinstance(entry, Mapping) or "weight" not in entry:
+                raise ValueError(f"data.mixture[{i}] must be a mapping of data fields with a 'weight', got {entry!r}.")
+            if "mixture" in entry or "mixture_stages" in entry:
+                raise ValueError(f"data.mixture[{i}] sets a mixture of its own: mixtures do not nest.")
+        names = [str(e.get("name") or "") for e in self.mixture]
+        if len({x for x in names if x}) != len([x for x in names if x]):
+            raise ValueError(f"data.mixture names its sources {names}: each name once (they name the metrics).")
+        _check_weights([e["weight"] for e in self.mixture], "data.mixture weights", n)
+        steps = [s[0] if isinstance(s, Sequence) and len(s) == 2 else None for s in self.mixture_stages]
+        if None in steps or any(not isinstance(x, int) or x < 0 for x in steps):
+            raise ValueError(f"data.mixture_stages must be ((step, (w_0, ..., w_{n - 1})), ...) with steps >= 0, "
+                             f"got {self.mixture_stages!r}.")
+        if any(b <= a for a, b in zip(steps, steps[1:])):
+            raise ValueError(f"data.mixture_stages steps {steps} are out of order: list the stages by increasing step.")
+        for step, weights in self.mixture_stages:
+            _check_weights(weights, f"data.mixture_stages weights at step {step}", n)
+        if self.mixture_chunks < 1 or self.batch_size % self.mixture_chunks:
+            raise ValueError(f"data.mixture_chunks={self.mixture_chunks} must divide data.batch_size="
+                             f"{self.batch_size}: set --config.data.mixture_chunks to one of its divisors.")
 
     def _check_captions(self) -> None:
         if self.caption_iteration not in ITERATIONS:

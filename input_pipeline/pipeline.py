@@ -383,7 +383,7 @@ def _worker_states(state: dict[str, Any], num_workers: int) -> list[dict[str, An
     return out
 
 
-def _process_index_count(process_index: int | None, process_count: int | None
+def process_index_count(process_index: int | None, process_count: int | None
                          ) -> tuple[int, int]:
     if process_index is None or process_count is None:
         import jax
@@ -449,7 +449,7 @@ def _build(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer | None, 
     the random-access source or None)."""
     cfg = DataConfig.from_mapping(config)
     cfg.check_source()
-    h, p = _process_index_count(process_index, process_count)
+    h, p = process_index_count(process_index, process_count)
     if cfg.batch_size % p:
         raise ValueError(f"data.batch_size={cfg.batch_size} is not divisible by the "
                          f"{p} hosts.")
@@ -556,7 +556,7 @@ def build_eval_iterator(config: Mapping[str, Any] | DataConfig,
     "index" int32 [B/P], the record of each row (-1 where mask=False)."""
     if source is not None:
         return _eval_iterator_from(source, DataConfig.from_mapping(config), tokenizer,
-                                   *_process_index_count(process_index, process_count))
+                                   *process_index_count(process_index, process_count))
     ds, fingerprint, layout, *_ = _build(config, tokenizer, False, process_index, process_count)
     return InputIterator(ds.__iter__(), fingerprint, layout)
 

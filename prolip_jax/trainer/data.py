@@ -19,11 +19,13 @@ import time
 from typing import Any, Callable
 
 
+from input_pipeline import mixture
 from input_pipeline.config import DataConfig
 from input_pipeline.shards import split_patterns
 from input_pipeline.pipeline import build_train_iterator, resolve_tokenizer
-from input_pipeline.sources import demo as demo_source
+from input_pipeline.sources import DataSource, demo as demo_source
 from input_pipeline.tokenizer_files import TokenizerFile
+from prolip_jax.core.targets import BY_IMAGE_ID
 from prolip_jax.runtime import paths
 
 
@@ -126,23 +128,57 @@ def build_train_data(tc: Any, model_config: Any, scfg: Any) -> TrainData:
     """The data of `tc` (prolip_jax.trainer.config.TrainConfig; see configs/), with the step's
     masking settings `scfg` (prolip_jax.core.step.StepConfig)."""
     d = tc.data
+    if d.mixture:
+        return _build_mixture(tc, model_config, scfg)
     source = d.data_source()
     if source.draws_batches:
         return TrainData(source.batches(d.batch_size, d.image_size, model_config.text.context_length,
                                         model_config.text.vocab_size, seed=tc.run.seed))
-    d.check_source()  # what the source needs, before a bucket is probed
+    _check_readable(d, "data")
+    d = source.for_model(d, model_config.text.context_length)
+    tokenizer = _tokenizer(d, tc, model_config, scfg)
+    it = build_train_iterator(d, tokenizer)
+    return TrainData(it, TokenizerFile.of(tokenizer, tc.masking), it.caption_index)
+
+
+def _check_readable(d: DataConfig, where: str) -> None:
+    """What the source of `d` needs (before a bucket is probed), that its bucket answers, and a
+    tokenizer file for it: one line naming the field `where`.<field>."""
+    d.check_source()
     for pattern in split_patterns(d.path):  # a bucket: one line on what is wrong
-        paths.check_reachable(pattern, "data.path", "--config.data.path")
-    if d.tokenizer and not d.tokenizer.get("path") and not source.own_tokenizer:
+        paths.check_reachable(pattern, f"{where}.path", f"--config.{where}.path" if where == "data" else f"{where}.path")
+    if d.tokenizer and not d.tokenizer.get("path") and not d.data_source().own_tokenizer:
         raise ValueError(f"data.source={d.source!r} needs data.tokenizer.path (a tokenizer file; "
                          "see input_pipeline/tokenizers.py for the kinds and where files come from)")
-    d = source.for_model(d, model_config.text.context_length)
+
+
+def _tokenizer(d: DataConfig, tc: Any, model_config: Any, scfg: Any) -> Any:
+    """The tokenizer of `d`, checked against the model and the masking settings."""
     tokenizer = resolve_tokenizer(d, None)
     check_tokenizer(tokenizer, model_config)
     if scfg.masks_text:
         check_masking(tokenizer, tc.masking, model_config.text.vocab_size)
-    it = build_train_iterator(d, tokenizer)
-    return TrainData(it, TokenizerFile.of(tokenizer, tc.masking), it.caption_index)
+    return tokenizer
+
+
+def _build_mixture(tc: Any, model_config: Any, scfg: Any) -> TrainData:
+    """A data.mixture run's data (input_pipeline/mixture.py): every source checked as one
+    source's is, one tokenizer (data.tokenizer) for all."""
+    if scfg.targets.positives in BY_IMAGE_ID:
+        raise ValueError(f"targets.positives={scfg.targets.positives!r} reads the batches' image ids, which a "
+                         "data.mixture does not give (each dataset numbers its own images): use "
+                         "--config.targets.positives=diagonal or one data.source")
+    d = tc.data.replace(mixture=tuple(tc.data.mixture))
+    parts = mixture.parts(d)
+    for part in parts:
+        source = part.config.data_source()
+        if source.draws_batches or source.own_tokenizer:
+            raise ValueError(f"{part.where}: data.source={part.config.source!r} cannot be mixed (it "
+                             f"{'draws its own batches' if source.draws_batches else 'brings its own tokenizer'}); "
+                             "mix sources of records read with data.tokenizer")
+        _check_readable(part.config, part.where)
+    tokenizer = _tokenizer(DataSource().for_model(d, model_config.text.context_length), tc, model_config, scfg)
+    return TrainData(mixture.build_mixture_iterator(d, tokenizer), TokenizerFile.of(tokenizer, tc.masking))
 
 
 def check_tokenizer(tokenizer: Any, model_config) -> None:
