@@ -331,8 +331,13 @@ def test_tar_shards_and_caption_files_from_a_bucket(bucket):
         tfds.tfds_source("coco", "train", "gs://b/tfds")
 
 
-def test_a_training_workdir_in_a_bucket(bucket, monkeypatch):
+def test_a_training_workdir_in_a_bucket(flaky, monkeypatch, tmp_path):
+    """A workdir in a bucket whose every 10th call fails once (FlakyGCS): the run finishes
+    bit-identical to one in a local folder and counts the retries in its metrics."""
+    import jax
+
     from prolip_jax import train
+    from prolip_jax.core import checkpoint
     from prolip_jax.trainer import checkpoints as trainer_checkpoints
     from prolip_jax.runtime.metrics import read_jsonl, read_tensorboard_scalars
 
@@ -348,17 +353,131 @@ def test_a_training_workdir_in_a_bucket(bucket, monkeypatch):
     to_local = lambda d: str(d).replace("gs://", str(bucket) + "/")  # noqa: E731
     monkeypatch.setattr(trainer_checkpoints.ocp, "CheckpointManager",
                         lambda directory, *a, **k: real_manager(to_local(directory), *a, **k))
+    bucket = flaky
     train.train(c, "gs://b/run")
     run = bucket / "b" / "run"
+    train.train(c, str(tmp_path / "local"))
+    jax.tree.map(np.testing.assert_array_equal, *(checkpoint.load_params(w)[0] for w in (
+        run / "checkpoints", tmp_path / "local" / "checkpoints")))
     assert (run / "parameters.txt").read_text().strip()
     records = read_jsonl("gs://b/run/metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2] and all(np.isfinite(r["loss"]) for r in records)
+    assert records[-1]["io/retries/http_503"] > 0
     events = paths.glob("gs://b/run/tb/*tfevents*")
     assert events and all(Path(to_local(e)).stat().st_size > 0 for e in events)
     scalars = read_tensorboard_scalars("gs://b/run/tb")
     assert [s for s, _ in scalars["loss"]] == [1, 2]
     assert (run / "checkpoints" / "2").is_dir()
     assert not Path("gs:").exists()  # nothing landed in a local folder named after the URL
+
+
+# ----------------------------------------------------------- transient errors (runtime/retries.py)
+class HttpError(OSError):
+    """What gcsfs raises for an HTTP error status (gcsfs.retry.HttpError carries `.code`)."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class _FlakyFile:
+    def __init__(self, f, flake):
+        self._f, self._flake = f, flake
+
+    def read(self, *args):
+        self._flake("read")
+        return self._f.read(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+class FlakyGCS(FakeGCS):
+    """FakeGCS whose every `every`-th call (listings, info, opening, reads, writes) fails once
+    with `status` (503: the store is briefly unavailable)."""
+
+    every, status, calls = 0, 503, [0]
+
+    def _flake(self, what):
+        type(self).calls[0] += 1
+        if self.every and self.calls[0] % self.every == 0:
+            raise HttpError(self.status, f"{self.status} on {what} (injected)")
+
+
+for _name in ("info", "ls", "cat_file", "pipe_file", "rm", "mkdir", "makedirs", "mv"):
+    def _method(self, *args, _name=_name, **kwargs):
+        self._flake(_name)
+        return getattr(FakeGCS, _name)(self, *args, **kwargs)
+    setattr(FlakyGCS, _name, _method)
+
+
+def _flaky_open(self, path, mode="rb", **kwargs):
+    self._flake("open")
+    f = FakeGCS.open(self, path, mode, **kwargs)
+    return _FlakyFile(f, self._flake) if "r" in mode else f
+
+
+FlakyGCS.open = _flaky_open
+
+
+@pytest.fixture
+def flaky(bucket, monkeypatch):
+    """gs:// served by FlakyGCS (every 10th call failing once), retries without waiting."""
+    from prolip_jax.runtime import retries
+
+    for name in FakeGCS.protocol:
+        monkeypatch.setitem(importlib.import_module("fsspec.registry")._registry, name, FlakyGCS)
+    epath_backend.fsspec_backend._get_filesystem.cache_clear()
+    monkeypatch.setattr(FlakyGCS, "every", 10)
+    monkeypatch.setattr(FlakyGCS, "calls", [0])
+    monkeypatch.setattr(retries, "INITIAL_S", 0.001)
+    monkeypatch.setattr(retries, "_counts", __import__("collections").Counter())
+    return bucket
+
+
+def test_transient_errors_are_retried_and_counted(flaky, caplog):
+    from input_pipeline import tar_source
+    from input_pipeline.shards import expand_paths
+    from input_pipeline.synthetic import make_jpeg_shards
+    from prolip_jax.runtime import retries
+
+    make_jpeg_shards(str(flaky / "b" / "shards"), num_shards=2, per_shard=5, width=24, height=24)
+    local = expand_paths(str(flaky / "b" / "shards" / "*.tar"))
+    want = [list(tar_source.iter_shard(p, i, 0)) for i, p in enumerate(local)]
+    for _ in range(3):   # every call path at several phases of the failing calls
+        urls = expand_paths("gs://b/shards/*.tar")
+        assert [list(tar_source.iter_shard(u, i, 0)) for i, u in enumerate(urls)] == want
+        paths.write_text_atomic("gs://b/a/x.txt", "hello")
+        assert paths.read_text("gs://b/a/x.txt") == "hello" and paths.exists("gs://b/a/x.txt")
+        assert paths.listdir("gs://b/a") == ["x.txt"]
+    assert FlakyGCS.calls[0] >= 30 and retries.counts() == {"http_503": FlakyGCS.calls[0] // 10}
+    warned = [r.getMessage() for r in caplog.records if "transient store error" in r.getMessage()]
+    assert len(warned) == 1 and "(http_503)" in warned[0] and "io/retries/http_503" in warned[0]
+
+
+@pytest.mark.parametrize("status, kind", [(503, "BucketUnreachable"), (403, "BucketAccessDenied")])
+def test_an_error_that_stays_is_one_line(flaky, monkeypatch, status, kind):
+    """A transient status that does not pass gives up after retries.ATTEMPTS tries; a permanent one
+    (403) is not retried at all. Either is the path layer's one line."""
+    from prolip_jax.runtime import retries
+
+    paths.write_text_atomic("gs://b/a/x.txt", "hello")
+    monkeypatch.setattr(FlakyGCS, "every", 1)
+    monkeypatch.setattr(FlakyGCS, "status", status)
+    monkeypatch.setattr(FlakyGCS, "calls", [0])
+    with pytest.raises(paths.BucketError) as e:
+        paths.read_text("gs://b/a/x.txt")
+    assert type(e.value).__name__ == kind and "\n" not in str(e.value) and "gs://b/a/x.txt" in str(e.value)
+    assert FlakyGCS.calls[0] == (retries.ATTEMPTS if status == 503 else 1)
+    if status == 503:
+        assert str(e.value) == ("gs://b/a/x.txt: cannot reach the store (503 on open (injected), still after "
+                                f"{retries.ATTEMPTS} tries): check the network")
 
 
 # ------------------------------------------------------------- models from a URL (prolip_jax.load)

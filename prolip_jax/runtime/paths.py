@@ -45,6 +45,9 @@ from pathlib import Path
 from typing import IO, Any, Iterator
 
 from etils import epath
+from etils.epath import backend as epath_backend
+
+from prolip_jax.runtime import retries
 
 # fsspec protocol -> the package that serves it (for the one-line "install" error).
 BACKENDS = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "az": "adlfs", "abfs": "adlfs",
@@ -169,8 +172,8 @@ def _kind_of(exc: BaseException) -> tuple[str, BaseException] | None:
         if status == 404 or isinstance(e, FileNotFoundError) or name == "NotFound":
             return "not_found", e
         if name in _NETWORK_NAMES or isinstance(e, (ConnectionError, TimeoutError, socket.gaierror)) or (
-                module.startswith("aiohttp") and "Connect" in name):
-            return "network", e
+                module.startswith("aiohttp") and "Connect" in name) or retries.transient_kind(e):
+            return "network", e   # transient errors arrive here once retries.py gave up on them
     return None
 
 
@@ -198,7 +201,8 @@ def bucket_error(url: PathLike, exc: BaseException, what: str = "", flag: str = 
                                   f"give ones that can read it ({login}), or {other}")
     if kind == "not_found":
         return BucketNotFound(f"{head}: no such bucket, file or folder: {other}")
-    return BucketUnreachable(f"{head}: cannot reach the store ({_detail(e)}): check the network"
+    detail = _detail(e) + (f", still after {retries.ATTEMPTS} tries" if retries.transient_kind(e) else "")
+    return BucketUnreachable(f"{head}: cannot reach the store ({detail}): check the network"
                              + (f", or pass a local {flag}" if flag else ""))
 
 
@@ -323,7 +327,25 @@ def _fs(path: PathLike) -> tuple[Any, str]:
 
     check_reachable(path)
     with _bucket_errors(path):
+        _retry_transient_errors(protocol(path))
         return fsspec.core.url_to_fs(_str(path))
+
+
+def _retry_transient_errors(scheme: str) -> None:
+    """Registers the protocol's filesystem class with transient errors retried (retries.py), for
+    this layer and for etils.epath (orbax's checkpoint files), which ask fsspec for the same."""
+    import fsspec
+
+    cls = fsspec.get_filesystem_class(scheme)
+    wrapped = retries.with_retries(cls)
+    if wrapped is cls:
+        return
+    names = cls.protocol if isinstance(cls.protocol, (tuple, list)) else (cls.protocol,)
+    for name in {scheme, *names}:
+        fsspec.register_implementation(name, wrapped, clobber=True)
+    cached = getattr(getattr(epath_backend, "fsspec_backend", None), "_get_filesystem", None)
+    if hasattr(cached, "cache_clear"):   # etils keeps the filesystem it made before
+        cached.cache_clear()
 
 
 def require_local(path: PathLike, what: str, advice: str) -> str:

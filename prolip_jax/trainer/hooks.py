@@ -18,7 +18,7 @@ import jax
 
 from prolip_jax.core import checkpoint as ckpt_lib
 from prolip_jax.core import flops as flops_lib
-from prolip_jax.runtime import messages, profiling
+from prolip_jax.runtime import messages, profiling, retries
 from prolip_jax.core import optim
 from prolip_jax.runtime.metrics import MetricWriter
 from prolip_jax.trainer.checkpoints import Checkpoints
@@ -131,6 +131,7 @@ class Throughput(Hook):
             "tflops_per_device": flops_lib.tflops_per_device(run.step_flops, dt, jax.device_count()),
             "skipped_updates": int(to_host(run.state.skipped)),
             **{f"data/{k}": v for k, v in run.parts.data.batches.stats.items()},
+            **{f"io/retries/{k}": v for k, v in retries.counts().items()},   # bucket calls retried
         })
         mfu = flops_lib.mfu(run.step_flops, dt, jax.device_count(), self.device_kind, run.parts.model.dtype)
         if mfu is not None:
