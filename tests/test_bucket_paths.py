@@ -371,6 +371,48 @@ def test_a_training_workdir_in_a_bucket(flaky, monkeypatch, tmp_path):
     assert not Path("gs:").exists()  # nothing landed in a local folder named after the URL
 
 
+def test_metrics_in_a_bucket_roll_to_new_objects(bucket, monkeypatch):
+    """Object stores cannot append: metrics.jsonl is a set of objects, only the newest rewritten
+    at each write, a new one past ROLL_RECORDS lines or ROLL_SECONDS; read_jsonl reads the set;
+    a resume cuts it at its step. TensorBoard's event files roll past ROLL_EVENT_BYTES."""
+    import io
+
+    from prolip_jax.runtime import metrics
+
+    monkeypatch.setattr(metrics, "ROLL_RECORDS", 3)
+    monkeypatch.setattr(metrics, "ROLL_EVENT_BYTES", 120)
+    uploads = []
+    write = paths.write_bytes_atomic
+    monkeypatch.setattr(paths, "write_bytes_atomic", lambda p, d: uploads.append((str(p), len(d))) or write(p, d))
+    now = [0.0]
+
+    def run(steps, resume_step=0):
+        with metrics.MetricWriter("gs://b/run", 20, resume_step=resume_step, stream=io.StringIO(),
+                                  clock=lambda: now[0]) as w:
+            for step in steps:
+                w.write(step, {"loss": float(step)})
+
+    run(range(1, 9))
+    names = sorted(p.name for p in (bucket / "b" / "run").iterdir() if p.suffix == ".jsonl")
+    assert names == ["metrics-00001.jsonl", "metrics-00002.jsonl", "metrics.jsonl"]
+    assert [r["step"] for r in metrics.read_jsonl("gs://b/run/metrics.jsonl")] == list(range(1, 9))
+    jsonl = [n for p, n in uploads if p.endswith(".jsonl")]
+    assert max(jsonl) < 3 * 40   # never more than one object's three lines at a time
+    assert len([p for p in paths.glob("gs://b/run/tb/*tfevents*")]) >= 3
+    assert [s for s, _ in metrics.read_tensorboard_scalars("gs://b/run/tb")["loss"]] == list(range(1, 9))
+
+    run([5, 6], resume_step=5)   # steps 5-8 of the first run dropped, 5 and 6 logged again
+    assert [r["step"] for r in metrics.read_jsonl("gs://b/run/metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert not (bucket / "b" / "run" / "metrics-00002.jsonl").exists()
+    with metrics.MetricWriter("gs://b/run", 20, resume_step=7, stream=io.StringIO(), clock=lambda: now[0]) as w:
+        w.write(7, {"loss": 7.0})   # into metrics-00002.jsonl (metrics-00001.jsonl is full)
+        now[0] = metrics.ROLL_SECONDS   # an old object rolls too, however few lines it holds
+        w.write(8, {"loss": 8.0})
+        w.write(9, {"loss": 9.0})
+    assert [r["step"] for r in metrics.read_jsonl("gs://b/run/metrics.jsonl")] == list(range(1, 10))
+    assert [(bucket / "b" / "run" / f"metrics-0000{i}.jsonl").read_text().count("\n") for i in (2, 3)] == [2, 1]
+
+
 # ----------------------------------------------------------- transient errors (runtime/retries.py)
 class HttpError(OSError):
     """What gcsfs raises for an HTTP error status (gcsfs.retry.HttpError carries `.code`)."""

@@ -22,9 +22,13 @@ its events with step >= N, so steps logged again after a restart appear once.
 
 Only the chief (process 0) writes; other processes get a writer whose methods do nothing.
 Bucket workdirs ("gs://..."): every file goes through the path layer (prolip_jax/runtime/paths.py,
-gcsfs for gs://). metrics.jsonl is rewritten whole on every write, since object stores cannot
-append; each TensorBoard event file is uploaded whole on every flush (`_BucketEventFile`, in
-place of tensorboardX's own gs:// writer, which needs google-cloud-storage).
+gcsfs for gs://). Object stores cannot append, so there metrics.jsonl is a set of objects:
+`metrics.jsonl`, then `metrics-00001.jsonl`, ... (`jsonl_parts`; `read_jsonl` reads the set).
+Only the newest is rewritten at each write, and a new one starts once it holds ROLL_RECORDS
+lines or is ROLL_SECONDS old, so a week-long run never re-uploads its history. TensorBoard event
+files roll the same way at ROLL_EVENT_BYTES (`_BucketEventFile`, in place of tensorboardX's own
+gs:// writer, which needs google-cloud-storage): `<name>`, `<name>.00001`, ..., which TensorBoard
+reads in that order like any event files of one folder.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import json
 import logging
 import math
 import os
+import re
 import struct
 import sys
 import time
@@ -44,6 +49,27 @@ from prolip_jax.runtime import paths
 
 JSONL_NAME = "metrics.jsonl"
 TB_DIR = "tb"
+ROLL_RECORDS = 500
+ROLL_SECONDS = 600.0
+ROLL_EVENT_BYTES = 1 << 20
+
+
+def _part_name(path: str, i: int) -> str:
+    """The i-th object of a metrics.jsonl set: the file itself, then <stem>-NNNNN.jsonl beside it."""
+    if i == 0:
+        return path
+    stem = path[:-len(".jsonl")] if path.endswith(".jsonl") else path
+    return f"{stem}-{i:05d}.jsonl"
+
+
+def jsonl_parts(path: str) -> list[str]:
+    """The objects of the metrics.jsonl at `path` in order (one for a local file)."""
+    directory, name = path.rstrip("/").rsplit("/", 1) if "/" in path else (".", path)
+    stem = name[:-len(".jsonl")] if name.endswith(".jsonl") else name
+    pattern = re.compile(re.escape(stem) + r"-(\d{5,})\.jsonl$")
+    names = paths.listdir(directory) if paths.isdir(directory) else []
+    numbered = sorted((int(m.group(1)), n) for n in names if (m := pattern.match(n)))
+    return [path] + [paths.join(directory, n) for _, n in numbered]
 
 
 def _to_number(value: Any) -> int | float:
@@ -121,16 +147,26 @@ def _is_remote(path: str) -> bool:
 
 class _BucketEventFile:
     """A TensorBoard event file in a bucket: buffered, uploaded whole through the path layer on
-    each flush (object stores cannot append). Stands in for tensorboardX's file handle."""
+    each flush (object stores cannot append), rolled to `<path>.NNNNN` past ROLL_EVENT_BYTES or
+    ROLL_SECONDS (tensorboardX writes each event with one `write`, so every object holds whole
+    records). Stands in for tensorboardX's file handle."""
 
     def __init__(self, path: str):
-        self.path, self.buffer = path, bytearray()
+        self.base, self.part, self.buffer, self.started = path, 0, bytearray(), time.monotonic()
+
+    @property
+    def path(self) -> str:
+        return self.base if self.part == 0 else f"{self.base}.{self.part:05d}"
 
     def write(self, data: bytes) -> None:
         self.buffer += data
 
     def flush(self) -> None:
+        if not self.buffer and self.part:
+            return
         paths.write_bytes_atomic(self.path, bytes(self.buffer))
+        if len(self.buffer) >= ROLL_EVENT_BYTES or time.monotonic() - self.started >= ROLL_SECONDS:
+            self.part, self.buffer, self.started = self.part + 1, bytearray(), time.monotonic()
 
     def close(self) -> None:
         self.flush()
@@ -168,15 +204,14 @@ class MetricWriter:
         if not is_chief:
             return
         self.path = workdir.rstrip("/") + "/" + JSONL_NAME
-        kept = self._load_lines_before(resume_step)
         if _is_remote(workdir):
             from tensorboardX import record_writer  # deferred like SummaryWriter below
 
             # Event files in a bucket go through the path layer too (set before the writer opens).
             record_writer.register_writer_factory(paths.protocol(workdir), _BucketEventFiles())
-            self._remote_lines = kept
-            self._rewrite_remote()
+            self._resume_remote(resume_step)
         else:
+            kept = self._load_lines_before(resume_step)
             os.makedirs(workdir, exist_ok=True)
             tmp = self.path + ".tmp"
             with open(tmp, "w") as f:
@@ -197,9 +232,11 @@ class MetricWriter:
                                  filename_suffix=f".{time.time_ns()}")
 
     # ------------------------------------------------------------------------------ jsonl files
-    def _load_lines_before(self, resume_step: int) -> list[str]:
-        """Lines of an existing metrics.jsonl with step < resume_step; torn lines are dropped."""
-        text = paths.read_text(self.path) if paths.exists(self.path) else ""
+    def _load_lines_before(self, resume_step: int, path: str | None = None) -> list[str]:
+        """Lines of an existing metrics.jsonl (or one object of its set) with step < resume_step;
+        torn lines are dropped."""
+        path = path or self.path
+        text = paths.read_text(path) if paths.exists(path) else ""
         kept = []
         for line in text.splitlines():
             try:
@@ -210,8 +247,26 @@ class MetricWriter:
                 kept.append(line + "\n")
         return kept
 
+    def _resume_remote(self, resume_step: int) -> None:
+        """Continues the bucket's set of objects: the first one holding a line with step >=
+        resume_step (or a torn one) is cut there and the later ones deleted, so an earlier run's
+        steps logged again appear once; writing goes on in the last one kept."""
+        parts = jsonl_parts(self.path) if paths.exists(self.path) else [self.path]
+        for i, part in enumerate(parts):
+            self._part, self._remote_lines = i, self._load_lines_before(resume_step, part)
+            written = paths.read_text(part).splitlines() if paths.exists(part) else []
+            if len(self._remote_lines) < sum(1 for line in written if line.strip()):
+                for later in parts[i + 1:]:
+                    paths.remove(later)
+                break
+        self._part_started = self._clock()
+        self._rewrite_remote()
+
     def _rewrite_remote(self) -> None:
-        paths.write_text_atomic(self.path, "".join(self._remote_lines))
+        """Uploads the newest object whole; rolls to the next one once it is full or old."""
+        paths.write_text_atomic(_part_name(self.path, self._part), "".join(self._remote_lines))
+        if len(self._remote_lines) >= ROLL_RECORDS or self._clock() - self._part_started >= ROLL_SECONDS:
+            self._part, self._remote_lines, self._part_started = self._part + 1, [], self._clock()
 
     # ---------------------------------------------------------------------------------- writing
     def write(self, step: int, metrics: Mapping[str, Any], console: Sequence[Sequence[str]] | None = None) -> None:
@@ -290,10 +345,11 @@ class MetricWriter:
 
 # ------------------------------------------------------------------------------ reading back
 def read_jsonl(path: str) -> list[dict[str, Any]]:
-    """All records of a metrics.jsonl (null stays None). A last line cut short (a run killed
+    """All records of a metrics.jsonl, in a bucket its whole set of objects (`jsonl_parts`); null
+    stays None. A last line cut short (a run killed
     while writing it) is skipped with a warning; a bad line before the last is a ValueError
     naming it."""
-    lines = paths.read_text(path).splitlines()
+    lines = [line for part in jsonl_parts(path) for line in paths.read_text(part).splitlines()]
     records = []
     for i, line in enumerate(lines):
         if not line.strip():

@@ -4,7 +4,7 @@ Every reader and writer of a user path (data, tokenizer, init weights, the workd
 these functions, so a `gs://bucket/...` path works wherever a local one does:
 
     open(path, mode)      exists / isdir / isfile      listdir (names)      glob (full paths)
-    makedirs              read_bytes / read_text       write_bytes_atomic / write_text_atomic
+    makedirs / remove     read_bytes / read_text       write_bytes_atomic / write_text_atomic
     join(base, *names)    as_path / absolute (an etils epath, for code that wants a Path object)
     require_local(path, what, advice): the one-line refusal for readers that need local files
     replacing_folder(out): a local output folder written whole or not at all
@@ -456,6 +456,17 @@ def makedirs(path: PathLike) -> None:
             fs.makedirs(p, exist_ok=True)
     else:
         os.makedirs(local(path), exist_ok=True)
+
+
+def remove(path: PathLike) -> None:
+    """Deletes a file (an object in a bucket); nothing when it is not there."""
+    if is_url(path):
+        fs, p = _fs(path)
+        with _bucket_errors(path), contextlib.suppress(FileNotFoundError):
+            fs.rm_file(p)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(local(path))
 
 
 def umask() -> int:
