@@ -503,6 +503,62 @@ def test_transient_errors_are_retried_and_counted(flaky, caplog):
     assert len(warned) == 1 and "(http_503)" in warned[0] and "io/retries/http_503" in warned[0]
 
 
+def test_an_async_backend_like_gcsfs_retries_too(tmp_path, monkeypatch):
+    """gcsfs and s3fs are async filesystems whose sync methods fsspec makes from their
+    coroutines: the coroutines are wrapped (a sync override would bypass them), and the sync
+    calls, the backend's own calls between coroutines and the open files' reads all retry."""
+    import asyncio
+
+    from fsspec.asyn import AsyncFileSystem
+
+    from prolip_jax.runtime import retries
+
+    calls = [0]
+
+    async def flake(what):
+        calls[0] += 1
+        await asyncio.sleep(0)
+        if calls[0] % 3 == 0:
+            raise HttpError(429, f"429 on {what} (injected)")
+
+    class AsyncStore(AsyncFileSystem):   # a local folder behind coroutines, as gcsfs is a bucket
+        cachable = False
+
+        async def _info(self, path, **kwargs):
+            await flake("info")
+            p = tmp_path / path
+            if not p.exists():
+                raise FileNotFoundError(path)
+            return {"name": path, "size": p.stat().st_size, "type": "directory" if p.is_dir() else "file"}
+
+        async def _ls(self, path, detail=True, **kwargs):
+            await flake("ls")
+            return [f"{path}/{n.name}" for n in sorted((tmp_path / path).iterdir())]
+
+        async def _cat_file(self, path, start=None, end=None, **kwargs):
+            await flake("cat_file")
+            return (tmp_path / path).read_bytes()[start:end]
+
+        async def _pipe_file(self, path, data, **kwargs):
+            await flake("pipe_file")
+            (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / path).write_bytes(data)
+
+        def _open(self, path, mode="rb", **kwargs):
+            return _FlakyFile(open(tmp_path / path, mode), lambda what: asyncio.run(flake(what)))
+
+    monkeypatch.setattr(retries, "INITIAL_S", 0.001)
+    monkeypatch.setattr(retries, "_counts", __import__("collections").Counter())
+    fs = retries.with_retries(AsyncStore)()
+    for i in range(4):
+        fs.pipe_file(f"b/x{i}.txt", b"hello %d" % i)
+        assert fs.cat_file(f"b/x{i}.txt") == b"hello %d" % i and fs.exists(f"b/x{i}.txt")
+        assert fs.info(f"b/x{i}.txt")["size"] == 7 and len(fs.ls("b")) == i + 1
+        with fs.open(f"b/x{i}.txt") as f:
+            assert f.read() == b"hello %d" % i
+    assert calls[0] >= 30 and retries.counts()["http_429"] >= 10
+
+
 @pytest.mark.parametrize("status, kind", [(503, "BucketUnreachable"), (403, "BucketAccessDenied")])
 def test_an_error_that_stays_is_one_line(flaky, monkeypatch, status, kind):
     """A transient status that does not pass gives up after retries.ATTEMPTS tries; a permanent one

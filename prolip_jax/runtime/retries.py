@@ -20,6 +20,7 @@ io/retries/<kind>, and the first of each kind is logged as a warning.
 from __future__ import annotations
 
 import collections
+import inspect
 import io
 import logging
 import threading
@@ -208,44 +209,71 @@ class _WriteFile(io.RawIOBase):
             super().close()
 
 
-class _Retrying:
-    """The mixin `with_retries` puts in front of a filesystem class."""
-
-    retries_transient_errors = True
-
-    def open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+def _open(owner: type) -> Callable[..., Any]:
+    def open(self: Any, path: str, mode: str = "rb", **kwargs: Any) -> Any:  # noqa: A001 - fsspec's name
         if "b" not in mode:   # text: over the binary file, as fsspec's own open does
             text = {k: kwargs.pop(k) for k in ("encoding", "errors", "newline") if k in kwargs}
             return io.TextIOWrapper(self.open(path, mode + "b", **kwargs), **text)
-        raw = super().open   # the class's own open (DirFileSystem's, fsspec's, ...)
+        raw = super(owner, self).open   # the class's own open (DirFileSystem's, fsspec's, ...)
         if mode == "rb" and not kwargs.get("compression"):
             return _ReadFile(self, path, mode, kwargs, raw)
         if mode in ("wb", "xb") and not kwargs.get("compression"):
             return _WriteFile(path, mode, kwargs, raw)
         return call(lambda: raw(path, mode, **kwargs), path)   # appends, compressed: the opening
+    return open
 
 
-def _retried(name: str) -> Callable[..., Any]:
+def _retried(owner: type, name: str) -> Callable[..., Any]:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        original = getattr(super(_Retrying, self), name)
+        original = getattr(super(owner, self), name)
         return call(lambda: original(*args, **kwargs), str(args[0]) if args else name)
     method.__name__ = name
     return method
 
 
-# The primitive calls (the composite ones, glob, find, walk, exists, are built on them).
-for _name in ("info", "ls", "cat_file", "pipe_file", "rm_file", "rm", "mkdir", "makedirs", "mv", "copy",
-              "put_file", "get_file", "modified", "created"):
-    setattr(_Retrying, _name, _retried(_name))
+def _retried_async(owner: type, name: str) -> Callable[..., Any]:
+    async def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        original = getattr(super(owner, self), name)
+        retrying = tenacity.AsyncRetrying(
+            stop=tenacity.stop_after_attempt(ATTEMPTS),
+            wait=tenacity.wait_random_exponential(multiplier=INITIAL_S, max=MAX_WAIT_S),
+            retry=tenacity.retry_if_exception(lambda e: transient_kind(e) is not None),
+            before_sleep=_before_sleep(str(args[0]) if args else name), reraise=True)
+        async def attempt() -> Any:   # a coroutine function: tenacity runs a plain callable unawaited
+            return await original(*args, **kwargs)
+        return await retrying(attempt)
+    method.__name__ = name
+    return method
 
+
+# The primitive calls (the composite ones, glob, find, walk, exists, are built on them).
+PRIMITIVES = ("info", "ls", "cat_file", "pipe_file", "rm_file", "rm", "mkdir", "makedirs", "mv", "copy",
+              "put_file", "get_file", "modified", "created")
 _classes: dict[type, type] = {}
 
 
 def with_retries(cls: type) -> type:
     """`cls` (an fsspec filesystem class) with transient errors retried; the same class for the
-    same `cls`, and `cls` itself when it already retries."""
+    same `cls`, and `cls` itself when it already retries.
+
+    An async filesystem (gcsfs, s3fs) gets its coroutines wrapped (`_info`, `_ls`, ...) where its
+    sync methods are fsspec's defaults: fsspec then makes the sync ones from the wrapped
+    coroutines (asyn.mirror_sync_methods), and the backend's own calls between coroutines are
+    retried too. A sync method the class defines itself is wrapped as it is."""
+    from fsspec import AbstractFileSystem
+
     if getattr(cls, "retries_transient_errors", False):
         return cls
     if cls not in _classes:
-        _classes[cls] = type(f"Retrying{cls.__name__}", (_Retrying, cls), {"__module__": __name__})
+        wrapped = type(f"Retrying{cls.__name__}", (cls,), {"__module__": __name__,
+                                                           "retries_transient_errors": True})
+        wrapped.open = _open(wrapped)
+        for name in PRIMITIVES:
+            coroutine = inspect.iscoroutinefunction(getattr(cls, "_" + name, None))
+            if coroutine:
+                setattr(wrapped, "_" + name, _retried_async(wrapped, "_" + name))
+            own_sync = getattr(cls, name, None) is not getattr(AbstractFileSystem, name, None)
+            if hasattr(cls, name) and (own_sync or not coroutine):
+                setattr(wrapped, name, _retried(wrapped, name))
+        _classes[cls] = wrapped
     return _classes[cls]
