@@ -331,6 +331,9 @@ class InputIterator(grain.DatasetIterator):
     def _checked(self, state: dict[str, Any]) -> dict[str, Any]:
         """The state in the current format, or a clear error if it cannot be resumed here."""
         version = state.get("version")
+        if version == "mixture-1":   # input_pipeline/mixture.py's
+            raise ValueError("the checkpoint's data state is a data.mixture's: resume with the config's "
+                             "data.mixture, or start one data.source in a new workdir")
         if version not in (1, _STATE_VERSION):
             raise ValueError(f"Iterator state version {version!r} is not {_STATE_VERSION}; it "
                              "was written by another code version.")

@@ -77,7 +77,11 @@ def _runs(part: dict) -> dict:
     return {r["name"]: r for r in part["runs"]}
 
 
+@pytest.mark.skipif(os.environ.get("PROLIP_TEST_GPU_PLAN") != "1",
+                    reason="the GPU plan's rehearsal (a dozen processes): PROLIP_TEST_GPU_PLAN=1, before a GPU run")
 def test_the_whole_plan_at_tiny_size_on_cpu(tmp_path):
+    """Run before a GPU session (docs/performance.md, "Measuring on a GPU"): the plan's every part
+    on CPU at test size, so that the device's minutes are not spent on a broken script."""
     out = tmp_path / "out"
     # Every run here is 1-3 steps, its time the compile's: the plan's subprocesses inherit these
     # XLA_FLAGS, LLVM -O0 (conftest.py; the plan's figures are not what is tested) on one CPU

@@ -445,9 +445,12 @@ class FlakyGCS(FakeGCS):
     with `status` (503: the store is briefly unavailable)."""
 
     every, status, calls = 0, 503, [0]
+    deny = None   # (what, path) -> True: that call gets HTTP 403 (access withdrawn)
 
-    def _flake(self, what):
+    def _flake(self, what, path=""):
         type(self).calls[0] += 1
+        if self.deny and self.deny(what, str(path)):
+            raise HttpError(403, f"Forbidden: 403 on {what} {path} (injected)")
         if self.every and self.calls[0] % self.every == 0:
             raise HttpError(self.status, f"{self.status} on {what} (injected)")
 
@@ -460,7 +463,7 @@ for _name in ("info", "ls", "cat_file", "pipe_file", "rm", "mkdir", "makedirs", 
 
 
 def _flaky_open(self, path, mode="rb", **kwargs):
-    self._flake("open")
+    self._flake("open " + mode, path)
     f = FakeGCS.open(self, path, mode, **kwargs)
     return _FlakyFile(f, self._flake) if "r" in mode else f
 
@@ -501,6 +504,44 @@ def test_transient_errors_are_retried_and_counted(flaky, caplog):
     assert FlakyGCS.calls[0] >= 30 and retries.counts() == {"http_503": FlakyGCS.calls[0] // 10}
     warned = [r.getMessage() for r in caplog.records if "transient store error" in r.getMessage()]
     assert len(warned) == 1 and "(http_503)" in warned[0] and "io/retries/http_503" in warned[0]
+
+
+def test_access_withdrawn_mid_run_saves_and_stops_in_one_line(flaky, monkeypatch, capfd):
+    """A permanent error (HTTP 403 on the workdir's metrics.jsonl from its third write on) is not
+    retried: the state reached is saved, one line names the bucket error, exit 2; the rerun with
+    access back resumes from that checkpoint and finishes."""
+    from prolip_jax import train
+    from prolip_jax.trainer import checkpoints as trainer_checkpoints
+
+    real_manager = trainer_checkpoints.ocp.CheckpointManager
+    monkeypatch.setattr(trainer_checkpoints.ocp, "CheckpointManager", lambda directory, *a, **k: real_manager(
+        str(directory).replace("gs://", str(flaky) + "/"), *a, **k))
+    writes = []
+
+    def deny(what, path):
+        writes.append(1) if what == "open wb" and path.endswith("metrics.jsonl") else None
+        return len(writes) > 2 and what == "open wb" and path.endswith("metrics.jsonl")
+
+    monkeypatch.setattr(FlakyGCS, "deny", staticmethod(deny))
+    monkeypatch.setattr(FlakyGCS, "every", 0)   # only the 403s: the writes are counted exactly
+    cli = ["train", "--config", str(Path(__file__).parents[1] / "configs" / "tiny.py") + ":data=random,steps=3,size=micro",
+           "--config.log_steps=1", "--config.checkpoint_steps=100", "--workdir", "gs://b/run"]
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        train.main(cli)
+    assert exit_.value.code == 2
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("error: the metrics writer failed after step 2 (gs://b/run/metrics.jsonl: "
+                                               "no credentials, or credentials without access (Forbidden: 403"), err
+    assert err[0].endswith(f"saved checkpoint step 2 ({flaky / 'b' / 'run' / 'checkpoints' / '2'}): rerun the same "
+                           "command to resume from it"), err[0]
+    assert len(writes) == 3   # the 403 was not retried
+    monkeypatch.setattr(FlakyGCS, "deny", None)
+    train.main(cli)   # access back: resumes from step 2
+    from prolip_jax.runtime.metrics import read_jsonl
+
+    assert [r["step"] for r in read_jsonl("gs://b/run/metrics.jsonl")] == [1, 3]   # step 2's was the write refused
+    assert (flaky / "b" / "run" / "checkpoints" / "3").is_dir()
 
 
 def test_an_async_backend_like_gcsfs_retries_too(tmp_path, monkeypatch):
@@ -574,7 +615,7 @@ def test_an_error_that_stays_is_one_line(flaky, monkeypatch, status, kind):
     assert type(e.value).__name__ == kind and "\n" not in str(e.value) and "gs://b/a/x.txt" in str(e.value)
     assert FlakyGCS.calls[0] == (retries.ATTEMPTS if status == 503 else 1)
     if status == 503:
-        assert str(e.value) == ("gs://b/a/x.txt: cannot reach the store (503 on open (injected), still after "
+        assert str(e.value) == ("gs://b/a/x.txt: cannot reach the store (503 on open rb (injected), still after "
                                 f"{retries.ATTEMPTS} tries): check the network")
 
 

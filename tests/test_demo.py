@@ -86,9 +86,15 @@ def test_smoke_targets_fail_at_chance():
     assert sum("MISSED" in line for line in lines) == len(checked) >= 5
 
 
-def test_demo_smoke_end_to_end(tmp_path, demo_cache):
-    workdir, cache = tmp_path / "demo", demo_cache
-    run = _run_demo(workdir, cache)
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory, demo_cache):
+    """The smoke run: (its workdir, the finished process)."""
+    workdir = tmp_path_factory.mktemp("smoke") / "demo"
+    return workdir, _run_demo(workdir, demo_cache)
+
+
+def test_demo_smoke_end_to_end(smoke, demo_cache):
+    (workdir, run), cache = smoke, demo_cache
     assert run.returncode == 0, f"stdout:\n{run.stdout[-4000:]}\nstderr:\n{run.stderr[-4000:]}"
     assert "all targets met: yes" in run.stdout
 
@@ -114,27 +120,25 @@ def _demo_module_steps() -> int:
     return _load("configs/demo.py").get_config("smoke=1").total_steps
 
 
-def test_two_demo_trainings_are_bit_identical(tmp_path, demo_cache):
-    """The demo is deterministic on one machine: two fresh processes training the same config
-    log the same loss at every step and end with bit-identical parameters (so two `make demo`
-    runs print the same table; the evaluation is a pure function of the checkpoint)."""
-    # The smoke run's own program (its config, stopped at step 10), compiled as `make demo` does:
-    # after test_demo_smoke_end_to_end both runs read it from the suite's compile cache.
-    runs = []
-    for name in ("a", "b"):
-        workdir = tmp_path / name
-        run = subprocess.run([sys.executable, "-m", "prolip_jax.train", "--config", "configs/demo.py:smoke=1",
-                              "--workdir", str(workdir), "--config.log_steps=1", "--stop_at_step=10"],
-                             cwd=ROOT, env=_env(demo_cache), capture_output=True, text=True, timeout=900)
-        assert run.returncode == 0, run.stderr[-4000:]
-        losses = [(r["step"], r["loss"]) for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
-                  if "loss" in r]
-        runs.append((losses, workdir))
-    assert len(runs[0][0]) == 10 and runs[0][0] == runs[1][0]
-    from prolip_jax.core import checkpoint
+# What a step logs that is a measurement of the machine, not a result of the training.
+TIMING = ("per_s", "time", "tflops", "mfu")
 
-    a, b = (checkpoint.load_params(w / "checkpoints")[0] for _, w in runs)
-    import jax
-    import numpy as np
 
-    jax.tree.map(np.testing.assert_array_equal, a, b)
+def test_a_second_process_trains_the_same_numbers(tmp_path, smoke, demo_cache):
+    """The demo is deterministic on one machine: a fresh process training the smoke config logs
+    at step 50 exactly what the smoke run logged there (loss, its terms, gradient norm, learning
+    rate, data counters: every value but the timings), so two `make demo` runs print the same
+    table; the evaluation is a pure function of the checkpoint. Its program comes from the
+    suite's compile cache, as `make demo`'s second run's does."""
+    workdir = tmp_path / "again"
+    run = subprocess.run([sys.executable, "-m", "prolip_jax.train", "--config", "configs/demo.py:smoke=1",
+                          "--workdir", str(workdir), "--stop_at_step=50"],
+                         cwd=ROOT, env=_env(demo_cache), capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+
+    def at_50(w):
+        (line,) = [r for r in map(json.loads, (w / "metrics.jsonl").read_text().splitlines()) if r["step"] == 50]
+        return {k: v for k, v in line.items() if not any(t in k for t in TIMING)}
+
+    ours, smoke_run = at_50(workdir), at_50(smoke[0])
+    assert len(ours) > 20 and "loss" in ours and ours == smoke_run

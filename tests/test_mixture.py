@@ -131,6 +131,22 @@ def test_a_mixture_resumes_on_another_host_count(shards):
             it.close()
 
 
+def test_a_mixture_state_and_a_one_source_state_are_not_confused(shards):
+    from input_pipeline import pipeline
+
+    cfg = _config(shards, (1, 1, 1))
+    with _iterator(cfg) as it:
+        mixed = it.get_state()
+    one = pipeline.build_train_iterator(DataConfig.from_mapping(dict(shards[2], batch_size=16, image_size=8)), TOK,
+                                        process_index=0, process_count=1)
+    with one:
+        with pytest.raises(ValueError, match="the checkpoint's data state is a data.mixture's"):
+            one.set_state(mixed)
+        single = one.get_state()
+    with _iterator(cfg) as it, pytest.raises(ValueError, match="the checkpoint's data state is not a mixture's"):
+        it.set_state(single)
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(weights=(0.5, -0.1, 0.6)), "has a negative or non-numeric weight; weights are >= 0"),
     (dict(weights=(0, 0, 0)), "data.mixture weights are all zero: give at least one source a positive weight"),

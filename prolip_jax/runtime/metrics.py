@@ -62,8 +62,9 @@ def _part_name(path: str, i: int) -> str:
     return f"{stem}-{i:05d}.jsonl"
 
 
-def jsonl_parts(path: str) -> list[str]:
+def jsonl_parts(path: str | os.PathLike) -> list[str]:
     """The objects of the metrics.jsonl at `path` in order (one for a local file)."""
+    path = os.fspath(path)
     directory, name = path.rstrip("/").rsplit("/", 1) if "/" in path else (".", path)
     stem = name[:-len(".jsonl")] if name.endswith(".jsonl") else name
     pattern = re.compile(re.escape(stem) + r"-(\d{5,})\.jsonl$")
@@ -344,7 +345,7 @@ class MetricWriter:
 
 
 # ------------------------------------------------------------------------------ reading back
-def read_jsonl(path: str) -> list[dict[str, Any]]:
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """All records of a metrics.jsonl, in a bucket its whole set of objects (`jsonl_parts`); null
     stays None. A last line cut short (a run killed
     while writing it) is skipped with a warning; a bad line before the last is a ValueError
