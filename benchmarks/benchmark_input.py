@@ -12,9 +12,6 @@ into a temporary folder, then for each worker count times, alternately, in windo
   bare: the same JPEGs (already in memory) through a loop of nothing but the same decode and
       the training transform (crop + bicubic resize, colour jitter / grayscale, uint8 array),
       one RNG for the whole loop; in `workers` spawned processes (in this process for 0).
-  --mixture K: instead of the bare loops, the same shards as K tar sources of equal weight
-      (data.mixture, input_pipeline/mixture.py; each source with `workers` worker processes)
-      against the one source; the ratio column is then the mixture's rate over one source's.
 Tokenizer: a SentencePiece model trained on the fly on the captions and used through
 input_pipeline.tokenizers (canonicalize cleaning, context 64), as for SigLIP-style training.
 
@@ -174,15 +171,10 @@ class _Bare:
 
 class _Pipeline:
     def __init__(self, config: dict, tokenizer):
-        from input_pipeline import mixture, pipeline
-        from input_pipeline.config import DataConfig
+        from input_pipeline import pipeline
         self.config = config
-        if config.get("mixture"):
-            self.it = mixture.build_mixture_iterator(DataConfig.from_mapping(config), tokenizer,
-                                                     process_index=0, process_count=1)
-        else:
-            self.it = pipeline.build_train_iterator(config, tokenizer, process_index=0,
-                                                    process_count=1)
+        self.it = pipeline.build_train_iterator(config, tokenizer, process_index=0,
+                                                process_count=1)
         for _ in range(2 * max(1, config["num_workers"])):   # starts the worker processes
             next(self.it)
 
@@ -225,11 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--image-dtype", default="uint8", choices=("uint8", "float32"))
     parser.add_argument("--color-jitter-impl", default="fast", choices=("fast", "torchvision"))
-    parser.add_argument("--mixture", type=int, default=0, metavar="K",
-                        help="instead of the bare loops: the shards as K tar sources of equal weight "
-                             "(data.mixture, each source with --workers workers) against one source")
     args = parser.parse_args(argv)
-    loops_ = (("pipeline", f"mixture of {args.mixture}") if args.mixture else _LOOPS)
 
     from input_pipeline import synthetic
     with tempfile.TemporaryDirectory() as tmp:
@@ -260,26 +248,19 @@ def main(argv: list[str] | None = None) -> int:
                           color_jitter_impl=args.color_jitter_impl)
             loops = {"pipeline": _Pipeline(config, tokenizer)}
             try:
-                if args.mixture:
-                    files = sorted(os.path.join(tmp, f) for f in os.listdir(tmp) if f.endswith(".tar"))
-                    groups = [files[k::args.mixture] for k in range(args.mixture)]
-                    loops[loops_[1]] = _Pipeline(dict(config, mixture=tuple(
-                        dict(source="tar", path=g, weight=1.0) for g in groups)), tokenizer)
-                else:
-                    for name, defaults in (("bare", False), ("bare, PIL defaults", True)):
-                        loops[name] = _Bare(workers, pattern, args.image_size,
-                                            args.color_jitter_impl, defaults)
+                for name, defaults in (("bare", False), ("bare, PIL defaults", True)):
+                    loops[name] = _Bare(workers, pattern, args.image_size,
+                                        args.color_jitter_impl, defaults)
                 runs = {name: [] for name in loops}
-                k = len(loops_)
                 for r in range(args.repeats):   # each loop goes first in turn
-                    for name in loops_[r % k:] + loops_[:r % k]:
+                    for name in _LOOPS[r % 3:] + _LOOPS[:r % 3]:
                         _wait_quiet()
                         runs[name].append(loops[name].measure(args.images))
             finally:
                 for loop in loops.values():
                     loop.close()
             n = max(1, workers)
-            for name in loops_:
+            for name in _LOOPS:
                 wall = [x[0] for x in runs[name]]
                 rate, cpu = statistics.median(wall), statistics.median(x[1] for x in runs[name])
                 results[workers, name] = rate
@@ -287,8 +268,6 @@ def main(argv: list[str] | None = None) -> int:
                         f"{f'[{min(wall):.0f}-{max(wall):.0f}]':>11} {rate / n:>8.0f} {cpu:>9.0f}")
                 if name != "pipeline":
                     pairs = list(zip(runs["pipeline"], runs[name]))
-                    if args.mixture:   # here the other way round: the mixture's rate over one source's
-                        pairs = [(b, p) for p, b in pairs]
                     ratio_wall = statistics.median(p[0] / b[0] for p, b in pairs)
                     ratio_cpu = statistics.median(p[1] / b[1] for p, b in pairs)
                     line += f"   {ratio_wall:>18.0%} {ratio_cpu:>7.0%}"
@@ -297,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             for w in args.workers:
                 if w > 1:
                     print(f"scaling, {w} workers against 1: " + ", ".join(
-                        f"{name} {results[w, name] / results[1, name]:.2f}x" for name in loops_))
+                        f"{name} {results[w, name] / results[1, name]:.2f}x" for name in _LOOPS))
         print(f"load average {', '.join(f'{x:.1f}' for x in os.getloadavg())} at the end")
     return 0
 
