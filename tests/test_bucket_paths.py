@@ -501,6 +501,9 @@ def test_transient_errors_are_retried_and_counted(flaky, caplog):
         paths.write_text_atomic("gs://b/a/x.txt", "hello")
         assert paths.read_text("gs://b/a/x.txt") == "hello" and paths.exists("gs://b/a/x.txt")
         assert paths.listdir("gs://b/a") == ["x.txt"]
+        meta = paths.as_path("gs://b/ckpt") / "1" / "_CHECKPOINT_METADATA"   # orbax's files go through epath
+        meta.write_text('{"step": 1}')
+        assert meta.exists() and meta.read_text() == '{"step": 1}' and [p.name for p in meta.parent.iterdir()] == [meta.name]
     assert FlakyGCS.calls[0] >= 30 and retries.counts() == {"http_503": FlakyGCS.calls[0] // 10}
     warned = [r.getMessage() for r in caplog.records if "transient store error" in r.getMessage()]
     assert len(warned) == 1 and "(http_503)" in warned[0] and "io/retries/http_503" in warned[0]
