@@ -172,3 +172,17 @@ def test_the_scan_sees_cycles_and_layers():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert layer_of("prolip_jax.core.step") == "core" and layer_of("prolip_jax.train") == "top"
     assert LAYER[layer_of("input_pipeline.pipeline")] > LAYER[layer_of("prolip_jax.core.models.vit")]
+
+
+def test_no_function_is_longer_than_80_lines():
+    """The library reads as parts a reader can hold (prolip_jax/, input_pipeline/, evaluators/)."""
+    import ast
+
+    long = []
+    for folder in ("prolip_jax", "input_pipeline", "evaluators"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} "
+                                f"({node.end_lineno - node.lineno + 1} lines)")
+    assert long == []

@@ -48,6 +48,7 @@ from etils import epath
 from etils.epath import backend as epath_backend
 
 from prolip_jax.runtime import retries
+from prolip_jax.runtime.retries import exception_chain as _chain, http_status as _status
 
 # fsspec protocol -> the package that serves it (for the one-line "install" error).
 BACKENDS = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "az": "adlfs", "abfs": "adlfs",
@@ -128,23 +129,6 @@ _quiet_saved: list[tuple[logging.Logger, list, bool, int]] = []
 
 def _package(scheme: str) -> str:
     return BACKENDS.get(scheme, f"the fsspec backend for {scheme}://")
-
-
-def _chain(exc: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
-
-
-def _status(exc: BaseException) -> int | None:
-    """The HTTP status an exception carries (gcsfs HttpError.code, aiohttp .status), if any."""
-    for attr in ("code", "status", "status_code"):
-        value = getattr(exc, attr, None)
-        if isinstance(value, int) and 100 <= value < 600:
-            return value
-    return None
 
 
 def _detail(exc: BaseException) -> str:

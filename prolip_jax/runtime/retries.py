@@ -45,7 +45,8 @@ _lock = threading.Lock()
 T = TypeVar("T")
 
 
-def _chain(exc: BaseException):
+def exception_chain(exc: BaseException):
+    """`exc`, then its causes and contexts (each once)."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -53,7 +54,8 @@ def _chain(exc: BaseException):
         exc = exc.__cause__ or exc.__context__
 
 
-def _status(exc: BaseException) -> int | None:
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status an exception carries (gcsfs HttpError.code, aiohttp .status), if any."""
     for attr in ("code", "status", "status_code"):
         value = getattr(exc, attr, None)
         if isinstance(value, int) and 100 <= value < 600:
@@ -64,8 +66,8 @@ def _status(exc: BaseException) -> int | None:
 def transient_kind(exc: BaseException) -> str | None:
     """"http_<status>" or "connection" for an error worth retrying, None for any other (the
     first exception of the chain that carries a status or a known name decides)."""
-    for e in _chain(exc):
-        status = _status(e)
+    for e in exception_chain(exc):
+        status = http_status(e)
         if status is not None:
             return f"http_{status}" if status in TRANSIENT_STATUS else None
         if isinstance(e, (FileNotFoundError, PermissionError, ImportError)):
