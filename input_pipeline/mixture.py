@@ -24,7 +24,6 @@ draws the same batches as an uninterrupted one, also on another host count.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any, Sequence
 
 import numpy as np
@@ -36,13 +35,11 @@ _STATE_VERSION = "mixture-1"
 # What a mixed batch holds: the keys every source gives. Image ids are per dataset (equal ids
 # of two datasets are not the same image) and labels per label set, so neither is mixed.
 KEYS = ("image", "text")
-log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
 class Part:
     name: str
-    weight: float
     config: DataConfig   # this source's data section (batch_size: the whole batch, as data's)
     where: str           # "data.mixture[i]", for messages
 
@@ -57,7 +54,7 @@ def parts(cfg: DataConfig) -> list[Part]:
         where = f"data.mixture[{i}]"
         fields = {k: v for k, v in dict(entry).items() if k not in ("name", "weight")}
         part = DataConfig.from_mapping({**base, **fields}, where)
-        out.append(Part(str(entry.get("name") or f"{part.source}{i}"), float(entry["weight"]), part, where))
+        out.append(Part(str(entry.get("name") or f"{part.source}{i}"), part, where))
     return out
 
 

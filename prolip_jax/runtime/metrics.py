@@ -212,7 +212,7 @@ class MetricWriter:
             record_writer.register_writer_factory(paths.protocol(workdir), _BucketEventFiles())
             self._resume_remote(resume_step)
         else:
-            kept = self._load_lines_before(resume_step)
+            kept, _ = self._load_lines_before(resume_step)
             os.makedirs(workdir, exist_ok=True)
             tmp = self.path + ".tmp"
             with open(tmp, "w") as f:
@@ -233,20 +233,20 @@ class MetricWriter:
                                  filename_suffix=f".{time.time_ns()}")
 
     # ------------------------------------------------------------------------------ jsonl files
-    def _load_lines_before(self, resume_step: int, path: str | None = None) -> list[str]:
-        """Lines of an existing metrics.jsonl (or one object of its set) with step < resume_step;
-        torn lines are dropped."""
+    def _load_lines_before(self, resume_step: int, path: str | None = None) -> tuple[list[str], int]:
+        """(the lines of an existing metrics.jsonl, or of one object of its set, with step <
+        resume_step, how many lines it holds); torn lines are dropped."""
         path = path or self.path
-        text = paths.read_text(path) if paths.exists(path) else ""
+        lines = [line for line in (paths.read_text(path) if paths.exists(path) else "").splitlines() if line.strip()]
         kept = []
-        for line in text.splitlines():
+        for line in lines:
             try:
                 keep = int(json.loads(line)["step"]) < resume_step
             except (ValueError, KeyError, TypeError):
                 continue  # a line cut short by a crash mid-write
             if keep:
                 kept.append(line + "\n")
-        return kept
+        return kept, len(lines)
 
     def _resume_remote(self, resume_step: int) -> None:
         """Continues the bucket's set of objects: the first one holding a line with step >=
@@ -254,9 +254,9 @@ class MetricWriter:
         steps logged again appear once; writing goes on in the last one kept."""
         parts = jsonl_parts(self.path) if paths.exists(self.path) else [self.path]
         for i, part in enumerate(parts):
-            self._part, self._remote_lines = i, self._load_lines_before(resume_step, part)
-            written = paths.read_text(part).splitlines() if paths.exists(part) else []
-            if len(self._remote_lines) < sum(1 for line in written if line.strip()):
+            self._remote_lines, written = self._load_lines_before(resume_step, part)
+            self._part = i
+            if len(self._remote_lines) < written:
                 for later in parts[i + 1:]:
                     paths.remove(later)
                 break

@@ -97,23 +97,26 @@ def _before_sleep(what: str) -> Callable[[tenacity.RetryCallState], None]:
     return note
 
 
+def _policy(what: str) -> dict[str, Any]:
+    """tenacity's arguments, for the sync and the async retries alike (the module docstring)."""
+    return dict(stop=tenacity.stop_after_attempt(ATTEMPTS),
+                wait=tenacity.wait_random_exponential(multiplier=INITIAL_S, max=MAX_WAIT_S),
+                retry=tenacity.retry_if_exception(lambda e: transient_kind(e) is not None),
+                before_sleep=_before_sleep(what), reraise=True)
+
+
 def call(fn: Callable[[], T], what: str) -> T:
     """`fn()`, retried on transient errors (the module docstring); `what` names the object."""
-    retrying = tenacity.Retrying(
-        stop=tenacity.stop_after_attempt(ATTEMPTS),
-        wait=tenacity.wait_random_exponential(multiplier=INITIAL_S, max=MAX_WAIT_S),
-        retry=tenacity.retry_if_exception(lambda e: transient_kind(e) is not None),
-        before_sleep=_before_sleep(what), reraise=True)
-    return retrying(fn)
+    return tenacity.Retrying(**_policy(what))(fn)
 
 
 class _ReadFile(io.RawIOBase):
     """A file open for reading whose reads are retried: a failed read reopens the object and
     continues at the same offset."""
 
-    def __init__(self, fs: Any, path: str, mode: str, kwargs: dict, raw_open: Callable[..., Any]):
+    def __init__(self, path: str, mode: str, kwargs: dict, raw_open: Callable[..., Any]):
         super().__init__()
-        self._fs, self._path, self._mode, self._kwargs, self._raw_open = fs, path, mode, kwargs, raw_open
+        self._path, self._mode, self._kwargs, self._raw_open = path, mode, kwargs, raw_open
         self._pos = 0
         self._f = call(self._open, path)
 
@@ -218,7 +221,7 @@ def _open(owner: type) -> Callable[..., Any]:
             return io.TextIOWrapper(self.open(path, mode + "b", **kwargs), **text)
         raw = super(owner, self).open   # the class's own open (DirFileSystem's, fsspec's, ...)
         if mode == "rb" and not kwargs.get("compression"):
-            return _ReadFile(self, path, mode, kwargs, raw)
+            return _ReadFile(path, mode, kwargs, raw)
         if mode in ("wb", "xb") and not kwargs.get("compression"):
             return _WriteFile(path, mode, kwargs, raw)
         return call(lambda: raw(path, mode, **kwargs), path)   # appends, compressed: the opening
@@ -236,14 +239,10 @@ def _retried(owner: type, name: str) -> Callable[..., Any]:
 def _retried_async(owner: type, name: str) -> Callable[..., Any]:
     async def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         original = getattr(super(owner, self), name)
-        retrying = tenacity.AsyncRetrying(
-            stop=tenacity.stop_after_attempt(ATTEMPTS),
-            wait=tenacity.wait_random_exponential(multiplier=INITIAL_S, max=MAX_WAIT_S),
-            retry=tenacity.retry_if_exception(lambda e: transient_kind(e) is not None),
-            before_sleep=_before_sleep(str(args[0]) if args else name), reraise=True)
+
         async def attempt() -> Any:   # a coroutine function: tenacity runs a plain callable unawaited
             return await original(*args, **kwargs)
-        return await retrying(attempt)
+        return await tenacity.AsyncRetrying(**_policy(str(args[0]) if args else name))(attempt)
     method.__name__ = name
     return method
 

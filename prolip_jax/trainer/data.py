@@ -168,7 +168,7 @@ def _build_mixture(tc: Any, model_config: Any, scfg: Any) -> TrainData:
         raise ValueError(f"targets.positives={scfg.targets.positives!r} reads the batches' image ids, which a "
                          "data.mixture does not give (each dataset numbers its own images): use "
                          "--config.targets.positives=diagonal or one data.source")
-    d = tc.data.replace(mixture=tuple(tc.data.mixture))
+    d = tc.data
     parts = mixture.parts(d)
     for part in parts:
         source = part.config.data_source()
