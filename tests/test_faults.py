@@ -357,11 +357,11 @@ def test_peer_watch_names_a_silent_failed_or_unreachable_process():
 
 
 def test_a_lost_process_ends_the_other_in_one_line(tmp_path):
-    """Two processes x 4 CPU devices: process 1 is killed with SIGKILL after step 3; process 0
+    """Two processes x 1 CPU device: process 1 is killed with SIGKILL after step 3; process 0
     stops within PROLIP_PEER_TIMEOUT_S (+ one beat) with one line, exit 2, never hanging. Both
     restarted, the coordinator (process 0) is killed after step 3: process 1 stops at once with
-    one line (prolip_jax/runtime/supervise.py), exit 2. Both restarted again resume from the newest
-    checkpoint and finish."""
+    one line (prolip_jax/runtime/supervise.py), exit 2. (A run restarted after a kill resumes from
+    the newest intact checkpoint: test_resume_falls_back_to_the_newest_intact_step.)"""
     import os
     import re
     import signal
@@ -374,16 +374,16 @@ def test_a_lost_process_ends_the_other_in_one_line(tmp_path):
     # The peer timeout (60 s by default): short, as its wait is idle time of the suite; the
     # beat thread of a live process still beats every second on a loaded 2-core machine.
     TIMEOUT_S = 4
-    env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(1), JAX_PLATFORMS="cpu",
                PYTHONUNBUFFERED="1", PROLIP_PEER_TIMEOUT_S=str(TIMEOUT_S), PYTHONPATH=str(ROOT),
                # A fresh cache: both processes compile on the first start, both read it on the restart.
                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))
 
-    def start(*extra):
+    def start():
         port = _free_port()
         return [subprocess.Popen(
             [sys.executable, "-m", "prolip_jax.train", "--config", "configs/tiny.py:data=random,steps=1000,size=micro",
-             "--workdir", str(tmp_path / "w"), *ARGS, "--config.checkpoint_steps=2", *extra,
+             "--workdir", str(tmp_path / "w"), *ARGS, "--config.checkpoint_steps=2",
              "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i)],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
 
@@ -420,12 +420,6 @@ def test_a_lost_process_ends_the_other_in_one_line(tmp_path):
         r"command: the run resumes from the newest intact checkpoint in " + re.escape(str(tmp_path / "w" / "checkpoints")),
         one_line(err)), err
     assert "Terminating process because the JAX distributed service detected fatal errors" in log.read_text()
-
-    procs = start("--stop_at_step=6")
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
-    assert "resumed from" in outs[0][0]
-    assert checkpoint.resolve(tmp_path / "w" / "checkpoints")[1] == 6
 
 
 def test_resuming_with_another_model_is_one_line(run, tmp_path, capfd):
