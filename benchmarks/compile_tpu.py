@@ -77,11 +77,32 @@ HBM_GIB = {"v4": 30.75, "v5p": 95.74, "v5e": 15.75, "v6e": 31.25}
 
 
 @dataclasses.dataclass(frozen=True)
+class Chip:
+    """A chip's datasheet rates, for the step-time estimate (Cloud TPU documentation,
+    cloud.google.com/tpu/docs/<generation>: "peak compute per chip (bf16)", "HBM bandwidth",
+    and the data-center network: v5p "DCN bandwidth per chip 50 Gbps"; v5e "2 x 100 Gbps NIC"
+    per host of 8 chips, 25 Gbps a chip). None: not stated there."""
+
+    bf16_tflops: float
+    hbm_gb_s: float
+    dcn_gbit_s: float | None
+
+
+CHIPS = {"v4": Chip(275, 1200, None), "v5p": Chip(459, 2765, 50), "v5e": Chip(197, 819, 25),
+         "v6e": Chip(918, 1640, None)}
+
+
+@dataclasses.dataclass(frozen=True)
 class Topology:
-    name: str  # "v4-256"
+    name: str  # "v4-256", or "2xv5p-128": two slices joined over DCN (multislice)
     generation: str  # "v4"
-    chips: int
+    chips: int  # per slice
     shape: str  # "4x4x8"
+    slices: int = 1
+
+    @property
+    def total_chips(self) -> int:
+        return self.chips * self.slices
 
     @property
     def libtpu_name(self) -> str:
@@ -105,13 +126,15 @@ def topology_names() -> list[str]:
 
 
 def parse_topology(name: str) -> Topology:
-    """'v5p-128' (an accelerator type) -> Topology; ValueError listing the valid names."""
-    m = re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", name.strip().lower())
-    gen = GENERATIONS.get(m.group(1)) if m else None
-    chips = int(m.group(2)) // gen.cores_per_chip if gen else None
-    if gen is None or chips not in gen.shapes:
-        raise ValueError(f"unknown TPU topology {name!r}; valid names: {', '.join(topology_names())}")
-    return Topology(name.strip().lower(), m.group(1), chips, gen.shapes[chips])
+    """'v5p-128' (an accelerator type), or 'Nxv5p-128' (N such slices over DCN) -> Topology;
+    ValueError listing the valid names."""
+    m = re.fullmatch(r"(?:(\d+)x)?(v4|v5p|v5e|v6e)-(\d+)", name.strip().lower())
+    gen = GENERATIONS.get(m.group(2)) if m else None
+    chips = int(m.group(3)) // gen.cores_per_chip if gen else None
+    if gen is None or chips not in gen.shapes or (m.group(1) is not None and int(m.group(1)) < 1):
+        raise ValueError(f"unknown TPU topology {name!r}; valid names: {', '.join(topology_names())}, "
+                         "each as N slices with an Nx prefix (2xv5p-128)")
+    return Topology(name.strip().lower(), m.group(2), chips, gen.shapes[chips], int(m.group(1) or 1))
 
 
 def libtpu_available() -> bool:
@@ -129,18 +152,20 @@ def topology_devices(topo: Topology) -> list[Any]:
     # and warns that it cannot find the TPU VM's workers, and a second process using libtpu at
     # the same time fails on /tmp/libtpu_lockfile (which guards real TPU chips). Nothing here
     # runs on a TPU.
-    for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_ACCELERATOR_TYPE", topo.name),
+    accelerator = topo.name.split("x", 1)[1] if topo.slices > 1 else topo.name
+    for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_ACCELERATOR_TYPE", accelerator),
                        ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"),
                        ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
         os.environ.setdefault(key, value)
     gen = GENERATIONS[topo.generation]
     desc = topologies.get_topology_desc(
         topology_name=topo.libtpu_name, platform="tpu", chip_config_name=gen.chip_config,
-        chips_per_host_bounds=(2, 2, 1) if topo.chips >= 4 else (1, 1, 1), num_slices=1, wrap=topo.wrap)
+        chips_per_host_bounds=(2, 2, 1) if topo.chips >= 4 else (1, 1, 1), num_slices=topo.slices,
+        wrap=topo.wrap)
     devices = list(desc.devices)
-    if len(devices) != topo.chips:
+    if len(devices) != topo.total_chips:
         raise RuntimeError(f"libtpu gave {len(devices)} devices for {topo.name} ({topo.libtpu_name}), "
-                           f"expected {topo.chips}")
+                           f"expected {topo.total_chips}")
     return devices
 
 
@@ -184,7 +209,7 @@ def build_step(config: Any, devices: list[Any], mcfg: Any = None, constraints: b
 
     tc = parse_config(config)
     mcfg = model_config(tc) if mcfg is None else mcfg
-    mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes, devices=devices)
+    mesh = sharding.make_mesh(tc.mesh.shape, tc.mesh.axes, devices=devices, dcn_shape=tc.mesh.dcn_shape)
     validate(tc, mesh, mcfg)  # the trainer's checks: batch layout over the mesh, sizes, combinations
     scfg = step_config(tc)
     model = build_model(tc, mcfg)
@@ -209,7 +234,7 @@ def build_step(config: Any, devices: list[Any], mcfg: Any = None, constraints: b
     model_flops = flops_lib.train_step_flops(mcfg, b, image_keep_ratio=config.masking.image_keep_ratio,
                                              num_masked=step_lib.num_masked_rows(b, scfg))
     facts = {"mesh": dict(mesh.shape), "rules": config.sharding_rules, "params": n_params,
-             "model_flops": model_flops, "dtype": config.model.dtype}
+             "model_flops": model_flops, "dtype": config.model.dtype, "mesh_object": mesh}
     return jitted, (state, batch), facts
 
 
@@ -247,8 +272,11 @@ MEMORY_KEYS = ("argument_bytes", "temp_bytes", "output_bytes", "alias_bytes", "c
 def _compile(config: Any, devices: list[Any], hbm_gib: float, mcfg: Any = None,
              constraints: bool = True) -> dict[str, Any]:
     """Per-chip measurements of one compile: memory, FLOPs and compile time (or the OOM)."""
+    from prolip_jax.core import traffic
+
     t0, c0 = time.perf_counter(), time.process_time()  # wall and CPU (all threads): a shared machine's wall time drifts
     jitted, args, facts = build_step(config, devices, mcfg, constraints)
+    mesh = facts.pop("mesh_object")
     lowered = jitted.lower(*args)
     out = {"facts": facts}
     try:
@@ -271,6 +299,8 @@ def _compile(config: Any, devices: list[Any], hbm_gib: float, mcfg: Any = None,
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per program
     out["compiled_flops_per_chip"] = float(cost.get("flops", float("nan")))
+    out["hbm_bytes_per_chip"] = float(cost.get("bytes accessed", float("nan")))
+    out["dcn_bytes_per_slice"] = traffic.program_traffic(compiled, mesh).per_slice_bytes
     return out
 
 
@@ -293,7 +323,7 @@ def extrapolate(shallow: list[dict[str, Any]], depths: list[tuple[int, int]], fu
     (a, _), (b, _) = depths
     t = (full[0] - a) / (b - a)
     out = {key: shallow[0][key] + t * (shallow[1][key] - shallow[0][key])
-           for key in (*MEMORY_KEYS, "compiled_flops_per_chip")}
+           for key in (*MEMORY_KEYS, "compiled_flops_per_chip", "hbm_bytes_per_chip", "dcn_bytes_per_slice")}
     out["fits"] = out["total_bytes"] <= hbm_gib * (1 << 30)
     return out
 
@@ -329,18 +359,40 @@ def compile_report(config: Any, topology: str | Topology, label: str = "", extra
         for key in ("compile_s", "compile_cpu_s"):
             measured[key] = sum(r[key] for r in shallow)
         measured["facts"] = build_step(config, devices, mcfg)[2]  # the full model's (traced, not compiled)
+        measured["facts"].pop("mesh_object")
         how = "extrapolated from " + " and ".join(f"{v}+{t}" for v, t in depths) + " blocks"
     if not constraints:
         how += ", activation constraints off"
     facts = measured.pop("facts")
-    report = {"label": label or config.model.variant, "topology": topo.name, "chips": topo.chips,
+    report = {"label": label or config.model.variant, "topology": topo.name, "chips": topo.total_chips,
+              "slices": topo.slices, "generation": topo.generation,
               "device_kind": devices[0].device_kind, "hbm_gib": topo.hbm_gib, "batch": config.batch_size,
-              "per_chip_batch": config.batch_size / topo.chips, "remat": config.model.remat,
+              "per_chip_batch": config.batch_size / topo.total_chips, "remat": config.model.remat,
               "ppcl_impl": config.loss.get("ppcl_impl", ""), "how": how, "depth": full, **facts,
-              "model_flops_per_chip": facts["model_flops"] / topo.chips, **measured}
+              "model_flops_per_chip": facts["model_flops"] / topo.total_chips, **measured}
     if "compiled_flops_per_chip" in report:
         report["flops_ratio"] = report["compiled_flops_per_chip"] / report["model_flops_per_chip"]
+        report.update(estimate_step(report, topo))
     return report
+
+
+def estimate_step(r: dict[str, Any], topo: Topology) -> dict[str, Any]:
+    """An estimated step time from the compiled program, not a measurement: the larger of its
+    FLOPs at the chip's bf16 peak and its HBM bytes at the chip's bandwidth (a roofline, as if
+    compute and memory traffic overlapped perfectly), plus what each slice sends over DCN at the
+    slice's DCN bandwidth (chips x the per-chip rate, not overlapped: an upper side). Rates:
+    `CHIPS`."""
+    chip = CHIPS[topo.generation]
+    compute_s = r["compiled_flops_per_chip"] / (chip.bf16_tflops * 1e12)
+    memory_s = r["hbm_bytes_per_chip"] / (chip.hbm_gb_s * 1e9)
+    out = {"compute_s": compute_s, "memory_s": memory_s, "dcn_s": 0.0}
+    if r["dcn_bytes_per_slice"] > 0:
+        if chip.dcn_gbit_s is None:
+            out["dcn_s"] = float("nan")  # no published per-chip DCN rate for this generation
+        else:
+            out["dcn_s"] = r["dcn_bytes_per_slice"] / (topo.chips * chip.dcn_gbit_s * 1e9 / 8)
+    out["step_s"] = max(compute_s, memory_s) + out["dcn_s"]
+    return out
 
 
 # ================================================================================ output
@@ -351,7 +403,8 @@ def _gib(x: float | None) -> str:
 def table(reports: list[dict[str, Any]]) -> str:
     """Markdown table of compile_report results (~: extrapolated in depth, see compile_report)."""
     head = ("| config | topology (chips) | batch/chip | mesh, rules | HBM/chip GiB | arguments | temporaries "
-            "| output | total GiB | fits | compiled TFLOP/chip | flops.py TFLOP/chip | ratio | compile s (CPU s) | how |")
+            "| output | total GiB | fits | compiled TFLOP/chip | flops.py TFLOP/chip | ratio | HBM GB/chip "
+            "| DCN MB/slice | est. step s (compute, HBM, DCN) | compile s (CPU s) | how |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in reports:
         mesh = "x".join(f"{k}{v}" for k, v in r["mesh"].items() if v > 1) or "1"
@@ -359,10 +412,12 @@ def table(reports: list[dict[str, Any]]) -> str:
         if "total_bytes" in r:
             mem = [est + _gib(r[k]) for k in ("argument_bytes", "temp_bytes", "output_bytes", "total_bytes")]
             flops = [f"{est}{r['compiled_flops_per_chip'] / 1e12:.1f}", f"{r['model_flops_per_chip'] / 1e12:.1f}",
-                     f"{r['flops_ratio']:.2f}"]
+                     f"{r['flops_ratio']:.2f}", f"{est}{r['hbm_bytes_per_chip'] / 1e9:.0f}",
+                     f"{est}{r['dcn_bytes_per_slice'] / 1e6:.0f}" if r["slices"] > 1 else "-",
+                     f"~{r['step_s']:.2f} ({r['compute_s']:.2f}, {r['memory_s']:.2f}, {r['dcn_s']:.2f})"]
         else:
             mem = ["-", "-", "-", f"{'>' if est else ''}{_gib(r['required_bytes'])} needed"]
-            flops = ["-", f"{r['model_flops_per_chip'] / 1e12:.1f}", "-"]
+            flops = ["-", f"{r['model_flops_per_chip'] / 1e12:.1f}", "-", "-", "-", "-"]
         rows.append(f"| {r['label']} | {r['topology']} ({r['chips']}) | {r['per_chip_batch']:g} | {mesh}, "
                     f"{r['rules']} | {r['hbm_gib']:g} | " + " | ".join(mem) + f" | {'yes' if r['fits'] else '**no**'} | "
                     + " | ".join(flops) + f" | {r['compile_s']:.0f} ({r['compile_cpu_s']:.0f}) | {r['how']} |")
@@ -381,9 +436,26 @@ def describe(r: dict[str, Any]) -> str:
                      f"{'fits' if r['fits'] else 'DOES NOT FIT'}")
         lines.append(f"FLOPs per chip: compiled {r['compiled_flops_per_chip'] / 1e12:.2f} TFLOP, flops.py "
                      f"{r['model_flops_per_chip'] / 1e12:.2f} TFLOP (ratio {r['flops_ratio']:.3f})")
+        chip = CHIPS[r["generation"]]
+        lines.append(f"estimated step (not measured): {r['step_s']:.3f} s = max(compute {r['compute_s']:.3f} s at "
+                     f"{chip.bf16_tflops:g} TFLOP/s, HBM {r['hbm_bytes_per_chip'] / 1e9:.1f} GB in "
+                     f"{r['memory_s']:.3f} s at {chip.hbm_gb_s:g} GB/s) + DCN "
+                     f"{r['dcn_bytes_per_slice'] / 1e6:.1f} MB per slice in {r['dcn_s']:.3f} s at "
+                     f"{chip.dcn_gbit_s or '?'} Gbit/s per chip")
     else:
         lines.append(f"DOES NOT FIT: {r['error']}")
     return "\n".join(lines)
+
+
+def for_topology(config: Any, topo: Topology) -> Any:
+    """`config` on `topo`: over several slices the data axis spans them (config.mesh.dcn_shape),
+    unless the config says how."""
+    if topo.slices == 1 or config.mesh.get("dcn_shape"):
+        return config
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+        config.mesh.dcn_shape = tuple(topo.slices if a == "data" else 1 for a in config.mesh.axes)
+    return config
 
 
 def check(config: Any, topo: Topology) -> None:
@@ -392,8 +464,8 @@ def check(config: Any, topo: Topology) -> None:
     from prolip_jax.trainer.build import model_config, validate
     from prolip_jax.trainer.config import parse_config
 
-    mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes, devices=topology_devices(topo))
     tc = parse_config(config)
+    mesh = sharding.make_mesh(tc.mesh.shape, tc.mesh.axes, devices=topology_devices(topo), dcn_shape=tc.mesh.dcn_shape)
     validate(tc, mesh, model_config(tc))
 
 
@@ -426,12 +498,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--topology is required, e.g. --topology v5p-128")
         topologies = [parse_topology(t) for t in (args.topology.split(",") if args.topology else DEFAULT_ALL_TOPOLOGIES)]
         specs = [(f"{PAPER_CONFIG}:variant={v}", v) for v in PAPER_VARIANTS] if args.all else [(args.config, "")]
+        if args.all:  # pods run the towers' blocks scanned: one compiled block, whatever the depth
+            overrides = ["--config.model.scan_layers=True", *overrides]
         configs = [(load_config(spec, overrides), label) for spec, label in specs]
         if not libtpu_available():
             raise RuntimeError(LIBTPU_MISSING)
         for topo in topologies:  # a config that cannot run on a topology fails now, before any compile
             for config, _ in configs:
-                check(config, topo)
+                check(for_topology(config, topo), topo)
     except (flags.Error, ValueError, TypeError, KeyError, AttributeError, RuntimeError, FileNotFoundError) as e:
         msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
         print("error: " + " ".join(msg.split()), file=sys.stderr)  # one line
@@ -439,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     reports = []
     for topo in topologies:
         for config, label in configs:
-            r = compile_report(config, topo, label, extrapolate_depth=args.extrapolate_depth,
+            r = compile_report(for_topology(config, topo), topo, label, extrapolate_depth=args.extrapolate_depth,
                                constraints=not args.no_constraints)
             print(describe(r), flush=True)
             reports.append(r)

@@ -44,10 +44,24 @@ def test_depth_extrapolation_is_linear_in_both_towers():
     assert ct.shallow_depths(12, 12) == [(4, 4), (8, 8)]
     assert ct.shallow_depths(32, 24) == [(4, 3), (8, 6)]  # H/14: the towers' proportion kept
     assert ct.shallow_depths(2, 2) is None  # tiny: compiled as it is
-    keys = (*ct.MEMORY_KEYS, "compiled_flops_per_chip")
+    keys = (*ct.MEMORY_KEYS, "compiled_flops_per_chip", "hbm_bytes_per_chip", "dcn_bytes_per_slice")
     shallow = [{k: 10.0 + 4 * i for k in keys} for i in (1, 2)]  # 14 at 4 blocks, 18 at 8
     out = ct.extrapolate(shallow, [(4, 4), (8, 8)], (12, 12), hbm_gib=1.0)
     assert out["total_bytes"] == 22.0 and out["compiled_flops_per_chip"] == 22.0 and out["fits"]
+
+
+def test_multislice_topologies_and_the_step_estimate():
+    t = ct.parse_topology("2xv5p-128")
+    assert (t.slices, t.chips, t.total_chips, t.shape) == (2, 64, 128, "4x4x4")
+    with pytest.raises(ValueError, match="Nx prefix"):
+        ct.parse_topology("0xv5p-128")
+    # v5p: 459 TFLOP/s, 2765 GB/s, DCN 50 Gbit/s a chip (6.25 GB/s; 400 GB/s for 64 chips).
+    r = {"compiled_flops_per_chip": 459e12 * 0.5, "hbm_bytes_per_chip": 2765e9 * 0.2, "dcn_bytes_per_slice": 400e9 * 0.1}
+    e = ct.estimate_step(r, t)
+    assert e["compute_s"] == pytest.approx(0.5) and e["memory_s"] == pytest.approx(0.2)
+    assert e["dcn_s"] == pytest.approx(0.1) and e["step_s"] == pytest.approx(0.6)
+    cfg = ct.load_config(str(ROOT / "configs" / "tiny.py"), [])
+    assert tuple(ct.for_topology(cfg, t).mesh.dcn_shape) == (2, 1, 1) and not cfg.mesh.get("dcn_shape")
 
 
 def _error(capsys, *argv: str) -> str:

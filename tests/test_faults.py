@@ -357,7 +357,7 @@ def test_peer_watch_names_a_silent_failed_or_unreachable_process():
 
 
 def test_a_lost_process_ends_the_other_in_one_line(tmp_path):
-    """Two processes x 1 CPU device: process 1 is killed with SIGKILL after step 3; process 0
+    """Two processes x 4 CPU devices: process 1 is killed with SIGKILL after step 3; process 0
     stops within PROLIP_PEER_TIMEOUT_S (+ one beat) with one line, exit 2, never hanging. Both
     restarted, the coordinator (process 0) is killed after step 3: process 1 stops at once with
     one line (prolip_jax/runtime/supervise.py), exit 2. (A run restarted after a kill resumes from
@@ -374,7 +374,7 @@ def test_a_lost_process_ends_the_other_in_one_line(tmp_path):
     # The peer timeout (60 s by default): short, as its wait is idle time of the suite; the
     # beat thread of a live process still beats every second on a loaded 2-core machine.
     TIMEOUT_S = 4
-    env = dict(os.environ, XLA_FLAGS=xla_flags(1), JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu",
                PYTHONUNBUFFERED="1", PROLIP_PEER_TIMEOUT_S=str(TIMEOUT_S), PYTHONPATH=str(ROOT),
                # A fresh cache: both processes compile on the first start, both read it on the restart.
                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))

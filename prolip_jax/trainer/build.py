@@ -133,7 +133,7 @@ def build(tc: TrainConfig) -> Parts:
     """Every part of a run of `tc`, each checked before anything compiles: the mesh, the model,
     the step's settings, the optimiser's patterns against the parameters, the data (its files,
     tokenizer and masking ids) and the evaluators."""
-    mesh = sharding.make_mesh(tc.mesh.shape, tc.mesh.axes)
+    mesh = sharding.make_mesh(tc.mesh.shape, tc.mesh.axes, dcn_shape=tc.mesh.dcn_shape)
     mcfg = model_config(tc)
     validate(tc, mesh, mcfg)
     tc.profile.check(tc.run.total_steps)
