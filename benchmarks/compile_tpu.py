@@ -368,6 +368,7 @@ def compile_report(config: Any, topology: str | Topology, label: str = "", extra
               "slices": topo.slices, "generation": topo.generation,
               "device_kind": devices[0].device_kind, "hbm_gib": topo.hbm_gib, "batch": config.batch_size,
               "per_chip_batch": config.batch_size / topo.total_chips, "remat": config.model.remat,
+              "scan_layers": bool(config.model.get("scan_layers", False)),
               "ppcl_impl": config.loss.get("ppcl_impl", ""), "how": how, "depth": full, **facts,
               "model_flops_per_chip": facts["model_flops"] / topo.total_chips, **measured}
     if "compiled_flops_per_chip" in report:
@@ -381,11 +382,17 @@ def estimate_step(r: dict[str, Any], topo: Topology) -> dict[str, Any]:
     FLOPs at the chip's bf16 peak and its HBM bytes at the chip's bandwidth (a roofline, as if
     compute and memory traffic overlapped perfectly), plus what each slice sends over DCN at the
     slice's DCN bandwidth (chips x the per-chip rate, not overlapped: an upper side). Rates:
-    `CHIPS`."""
+    `CHIPS`. XLA's cost analysis counts a loop's body once, so for scanned towers the FLOPs are
+    flops.py's model count and the HBM bytes are scaled by the same factor (the blocks' bytes
+    taken to grow as their FLOPs do)."""
     chip = CHIPS[topo.generation]
-    compute_s = r["compiled_flops_per_chip"] / (chip.bf16_tflops * 1e12)
-    memory_s = r["hbm_bytes_per_chip"] / (chip.hbm_gb_s * 1e9)
-    out = {"compute_s": compute_s, "memory_s": memory_s, "dcn_s": 0.0}
+    flops, hbm = r["compiled_flops_per_chip"], r["hbm_bytes_per_chip"]
+    if r.get("scan_layers") and flops < r["model_flops_per_chip"]:
+        hbm *= r["model_flops_per_chip"] / flops
+        flops = r["model_flops_per_chip"]
+    compute_s = flops / (chip.bf16_tflops * 1e12)
+    memory_s = hbm / (chip.hbm_gb_s * 1e9)
+    out = {"compute_s": compute_s, "memory_s": memory_s, "dcn_s": 0.0, "est_hbm_bytes_per_chip": hbm}
     if r["dcn_bytes_per_slice"] > 0:
         if chip.dcn_gbit_s is None:
             out["dcn_s"] = float("nan")  # no published per-chip DCN rate for this generation
@@ -412,7 +419,7 @@ def table(reports: list[dict[str, Any]]) -> str:
         if "total_bytes" in r:
             mem = [est + _gib(r[k]) for k in ("argument_bytes", "temp_bytes", "output_bytes", "total_bytes")]
             flops = [f"{est}{r['compiled_flops_per_chip'] / 1e12:.1f}", f"{r['model_flops_per_chip'] / 1e12:.1f}",
-                     f"{r['flops_ratio']:.2f}", f"{est}{r['hbm_bytes_per_chip'] / 1e9:.0f}",
+                     f"{r['flops_ratio']:.2f}", f"{est}{r['est_hbm_bytes_per_chip'] / 1e9:.0f}",
                      f"{est}{r['dcn_bytes_per_slice'] / 1e6:.0f}" if r["slices"] > 1 else "-",
                      f"~{r['step_s']:.2f} ({r['compute_s']:.2f}, {r['memory_s']:.2f}, {r['dcn_s']:.2f})"]
         else:
@@ -438,7 +445,7 @@ def describe(r: dict[str, Any]) -> str:
                      f"{r['model_flops_per_chip'] / 1e12:.2f} TFLOP (ratio {r['flops_ratio']:.3f})")
         chip = CHIPS[r["generation"]]
         lines.append(f"estimated step (not measured): {r['step_s']:.3f} s = max(compute {r['compute_s']:.3f} s at "
-                     f"{chip.bf16_tflops:g} TFLOP/s, HBM {r['hbm_bytes_per_chip'] / 1e9:.1f} GB in "
+                     f"{chip.bf16_tflops:g} TFLOP/s, HBM {r['est_hbm_bytes_per_chip'] / 1e9:.1f} GB in "
                      f"{r['memory_s']:.3f} s at {chip.hbm_gb_s:g} GB/s) + DCN "
                      f"{r['dcn_bytes_per_slice'] / 1e6:.1f} MB per slice in {r['dcn_s']:.3f} s at "
                      f"{chip.dcn_gbit_s or '?'} Gbit/s per chip")

@@ -7,7 +7,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 ME="launch_tpu_pod.sh"
 SUBCOMMANDS=(launch resume logs status stop delete)
 # Every setting: NAME (environment variable) or --name=value (flag, lowercase with dashes).
-SETTINGS=(TPU_NAME ZONE PROJECT ACCELERATOR_TYPE WORKDIR DATA_PATH TOKENIZER CONFIG DATA_SOURCE
+SETTINGS=(TPU_NAME ZONE PROJECT ACCELERATOR_TYPE NUM_SLICES WORKDIR DATA_PATH TOKENIZER CONFIG DATA_SOURCE
           RUNTIME_VERSION SPOT REPO_URL BRANCH PYTHON_VERSION EXTRA_PACKAGES WORKER READY_TIMEOUT
           POLL_INTERVAL)
 
@@ -31,7 +31,8 @@ Subcommands (default: launch)
 
 Settings: environment variables, or flags (TPU_NAME=x or --tpu-name=x)
   required by every subcommand
-    TPU_NAME          the TPU VM's name (created by `launch` if absent)
+    TPU_NAME          the TPU VM's name (created by `launch` if absent); with NUM_SLICES > 1 the
+                      queued resource's, its slices named TPU_NAME-0, TPU_NAME-1, ...
     ZONE              e.g. us-central2-b (v4), us-east5-a (v5p), us-west4-a (v5e)
     PROJECT           the Google Cloud project id
   required by launch / resume
@@ -42,6 +43,10 @@ Settings: environment variables, or flags (TPU_NAME=x or --tpu-name=x)
                       is: a bucket, or a path that exists on every worker)
     TOKENIZER         a gs:// path (passed as is) or a local file, copied to every worker
   optional
+    NUM_SLICES        slices of ACCELERATOR_TYPE joined over the data-center network [1]: above
+                      1, a multislice through queued resources (`queued-resources create
+                      --node-count`), one trainer per host of every slice, the data axis across
+                      the slices (--config.mesh.dcn_shape="(NUM_SLICES,1,1)")
     CONFIG            trainer config [configs/prolip_b16_datacomp.py]; ':arg' allowed
     DATA_SOURCE       tar or array_record [array_record for *.array_record, else tar];
                       array_record shards must be on local disk (their reader cannot stream)
@@ -78,6 +83,7 @@ BRANCH=${BRANCH:-main}
 PYTHON_VERSION=${PYTHON_VERSION:-3.11}
 EXTRA_PACKAGES=${EXTRA_PACKAGES:-gcsfs google-cloud-storage}
 WORKER=${WORKER:-0}
+NUM_SLICES=${NUM_SLICES:-1}
 READY_TIMEOUT=${READY_TIMEOUT:-1800}
 POLL_INTERVAL=${POLL_INTERVAL:-30}
 if [[ -z $RUNTIME_VERSION ]]; then
@@ -97,8 +103,21 @@ if [[ $SUBCOMMAND == launch && -n $ACCELERATOR_TYPE && -z $RUNTIME_VERSION ]]; t
 fi
 require_settings "${required[@]}" -- ${notes[@]+"${notes[@]}"}
 
+[[ $NUM_SLICES =~ ^[1-9][0-9]*$ ]] || die "NUM_SLICES=$NUM_SLICES: a whole number of slices, 1 or more"
 TPU=(gcloud compute tpus tpu-vm)
 WHERE=(--zone="$ZONE" --project="$PROJECT")
+# The TPU VMs: one slice, or a multislice's slices (queued resources name them PREFIX-0, -1, ...).
+NODES=("$TPU_NAME")
+if ((NUM_SLICES > 1)); then
+  NODES=(); for ((i = 0; i < NUM_SLICES; i++)); do NODES+=("$TPU_NAME-$i"); done
+fi
+# `ssh`/`scp` ARGS... on every worker of every slice ($NODE in ARGS: the slice's name).
+on_every_slice() {
+  local verb=$1 node; shift
+  for node in "${NODES[@]}"; do
+    run "${TPU[@]}" "$verb" "${@//\$NODE/$node}" "${WHERE[@]}" --worker=all
+  done
+}
 # shellcheck disable=SC2088,SC2016  # these expand on the worker, not here
 RUN_DIR='~/prolip'      # on each worker: code/, venv/, assets/, logs/train.log, train.pid
 # A remote command runs in the worker's login shell (bash on the TPU VM images).
@@ -107,20 +126,24 @@ ALIVE='[ -f ~/prolip/train.pid ] && kill -0 "$(cat ~/prolip/train.pid)" 2>/dev/n
 
 case $SUBCOMMAND in
   logs)
-    run "${TPU[@]}" ssh "$TPU_NAME" "${WHERE[@]}" --worker="$WORKER" \
+    run "${TPU[@]}" ssh "${NODES[0]}" "${WHERE[@]}" --worker="$WORKER" \
       --command="tail -n 100 -F $RUN_DIR/logs/train.log"
     exit 0 ;;
   status)
-    run "${TPU[@]}" ssh "$TPU_NAME" "${WHERE[@]}" --worker=all \
+    on_every_slice ssh '$NODE' \
       --command="if $ALIVE; then s=running; else s='not running'; fi; echo \"\$(hostname): \$s | \$(tail -n 1 $RUN_DIR/logs/train.log 2>/dev/null)\""
     exit 0 ;;
   stop)
     # The trainer saves a checkpoint on SIGTERM, then exits; `launch` later resumes from it.
-    run "${TPU[@]}" ssh "$TPU_NAME" "${WHERE[@]}" --worker=all \
+    on_every_slice ssh '$NODE' \
       --command="if $ALIVE; then kill -TERM \"\$(cat $RUN_DIR/train.pid)\" && echo \"\$(hostname): stopping (checkpoint, then exit)\"; else echo \"\$(hostname): not running\"; fi"
     exit 0 ;;
   delete)
-    run "${TPU[@]}" delete "$TPU_NAME" "${WHERE[@]}" --quiet
+    if ((NUM_SLICES > 1)); then
+      run gcloud compute tpus queued-resources delete "$TPU_NAME" "${WHERE[@]}" --force --quiet
+    else
+      run "${TPU[@]}" delete "$TPU_NAME" "${WHERE[@]}" --quiet
+    fi
     exit 0 ;;
 esac
 
@@ -148,6 +171,14 @@ TMP_DIR=$(mktemp -d); trap 'rm -rf "$TMP_DIR"' EXIT
 describe=("${TPU[@]}" describe "$TPU_NAME" "${WHERE[@]}" --format='value(state)')
 create=("${TPU[@]}" create "$TPU_NAME" "${WHERE[@]}" --accelerator-type="$ACCELERATOR_TYPE"
         --version="$RUNTIME_VERSION")
+delete=("${TPU[@]}" delete "$TPU_NAME" "${WHERE[@]}" --quiet)
+if ((NUM_SLICES > 1)); then  # a multislice: a queued resource of NUM_SLICES nodes
+  QR=(gcloud compute tpus queued-resources)
+  describe=("${QR[@]}" describe "$TPU_NAME" "${WHERE[@]}" --format='value(state.state)')
+  create=("${QR[@]}" create "$TPU_NAME" "${WHERE[@]}" --accelerator-type="$ACCELERATOR_TYPE"
+          --runtime-version="$RUNTIME_VERSION" --node-count="$NUM_SLICES" --node-prefix="$TPU_NAME")
+  delete=("${QR[@]}" delete "$TPU_NAME" "${WHERE[@]}" --force --quiet)
+fi
 [[ $SPOT == 1 ]] && create+=(--spot)
 
 # Sets `state` to the VM's state, or to "" when the VM does not exist. Only gcloud's NOT_FOUND
@@ -180,19 +211,20 @@ else
   while :; do
     read_state
     case $state in
-      READY)
-        echo "$ME: reusing TPU VM $TPU_NAME (READY)"
+      READY|ACTIVE)
+        echo "$ME: reusing TPU VM $TPU_NAME ($state)"
         break ;;
       "")
         run "${create[@]}"
         break ;;
-      PREEMPTED|TERMINATED)
-        # A preempted or terminated TPU VM cannot be started again; a new one resumes from WORKDIR.
+      PREEMPTED|TERMINATED|FAILED|SUSPENDED)
+        # A preempted or terminated TPU VM (a failed or suspended queued resource) cannot be
+        # started again; a new one resumes from WORKDIR.
         echo "$ME: TPU VM $TPU_NAME is $state, which never restarts: deleting it and creating it anew (the run resumes from WORKDIR)"
-        run "${TPU[@]}" delete "$TPU_NAME" "${WHERE[@]}" --quiet
+        run "${delete[@]}"
         run "${create[@]}"
         break ;;
-      CREATING|STARTING|RESTARTING|REIMAGING|REPAIRING|UNHIDING|DELETING)
+      CREATING|STARTING|RESTARTING|REIMAGING|REPAIRING|UNHIDING|DELETING|ACCEPTED|WAITING_FOR_RESOURCES|PROVISIONING|SUSPENDING)
         if ((SECONDS >= deadline)); then
           die "TPU VM $TPU_NAME is still $state after ${READY_TIMEOUT} s: wait longer (READY_TIMEOUT), or delete it (bash scripts/launch_tpu_pod.sh delete) and launch again"
         fi
@@ -218,7 +250,7 @@ if [[ -z $REPO_URL ]]; then
     echo "$ME: note: shipping commit $commit; uncommitted changes stay here" >&2
   fi
   run git -C "$ROOT" archive --format=tar.gz -o "$TMP_DIR/prolip-code.tar.gz" HEAD
-  run "${TPU[@]}" scp "$TMP_DIR/prolip-code.tar.gz" "$TPU_NAME:prolip-code.tar.gz" "${WHERE[@]}" --worker=all
+  on_every_slice scp "$TMP_DIR/prolip-code.tar.gz" '$NODE:prolip-code.tar.gz'
   setup+=("rm -rf $RUN_DIR/code && mkdir $RUN_DIR/code && tar -xzf ~/prolip-code.tar.gz -C $RUN_DIR/code")
 else
   q_url=$(printf '%q' "$REPO_URL"); q_branch=$(printf '%q' "$BRANCH")
@@ -227,7 +259,7 @@ fi
 tokenizer_arg=$TOKENIZER
 if ! is_url "$TOKENIZER"; then
   base=$(basename "$TOKENIZER")
-  run "${TPU[@]}" scp "$TOKENIZER" "$TPU_NAME:prolip-tokenizer-$base" "${WHERE[@]}" --worker=all
+  on_every_slice scp "$TOKENIZER" "\$NODE:prolip-tokenizer-$base"
   setup+=("mv -f ~/prolip-tokenizer-$(printf '%q' "$base") $RUN_DIR/assets/$(printf '%q' "$base")")
   tokenizer_arg="\$HOME/prolip/assets/$base"     # expanded on the worker
 fi
@@ -241,13 +273,16 @@ setup+=('export PATH="$HOME/.local/bin:$PATH"'
         "cd $RUN_DIR/code && uv pip install -q --python $RUN_DIR/venv/bin/python -c requirements/constraints.txt -e '.[tpu]' ${q_extra% }"
         "echo \"\$(hostname): ready\"")
 setup_cmd=$(printf '%s; ' "${setup[@]}")
-run "${TPU[@]}" ssh "$TPU_NAME" "${WHERE[@]}" --worker=all --command="${setup_cmd%; }"
+on_every_slice ssh '$NODE' --command="${setup_cmd%; }"
 
 # ---- 4. train, detached, on every worker ---------------------------------------------------------
 # PROLIP_DISTRIBUTED=1: the trainer calls jax.distributed.initialize(), which reads the slice's
-# hosts from the TPU metadata. setsid + nohup: the run outlives the ssh session.
+# hosts from the TPU metadata (a multislice's too: queued resources set MEGASCALE_* there).
+# setsid + nohup: the run outlives the ssh session.
 train_args=(--config="$CONFIG" --workdir="$WORKDIR" --config.data.source="$DATA_SOURCE"
-            --config.data.path="$DATA_PATH" ${TRAIN_EXTRA[@]+"${TRAIN_EXTRA[@]}"})
+            --config.data.path="$DATA_PATH")
+((NUM_SLICES > 1)) && train_args+=("--config.mesh.dcn_shape=($NUM_SLICES,1,1)")
+train_args+=(${TRAIN_EXTRA[@]+"${TRAIN_EXTRA[@]}"})
 q_args=$(printf '%q ' "${train_args[@]}")
 if is_url "$TOKENIZER"; then
   q_args+=$(printf '%q' "--config.data.tokenizer.path=$tokenizer_arg")
@@ -255,7 +290,7 @@ else
   q_args+="--config.data.tokenizer.path=\"$tokenizer_arg\""
 fi
 start="cd $RUN_DIR/code; echo \"=== \$(date -u +%FT%TZ) start\" >> $RUN_DIR/logs/train.log; PROLIP_DISTRIBUTED=1 setsid nohup $RUN_DIR/venv/bin/python -m prolip_jax.train $q_args >> $RUN_DIR/logs/train.log 2>&1 < /dev/null & echo \$! > $RUN_DIR/train.pid; echo \"\$(hostname): training (pid \$(cat $RUN_DIR/train.pid)), log $RUN_DIR/logs/train.log\""
-run "${TPU[@]}" ssh "$TPU_NAME" "${WHERE[@]}" --worker=all --command="$start"
+on_every_slice ssh '$NODE' --command="$start"
 
 if [[ $DRY_RUN == 1 ]]; then echo "(dry run: nothing was run)"; exit 0; fi
 settings="TPU_NAME=$(quote "$TPU_NAME") ZONE=$(quote "$ZONE") PROJECT=$(quote "$PROJECT")"

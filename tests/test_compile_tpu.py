@@ -56,10 +56,14 @@ def test_multislice_topologies_and_the_step_estimate():
     with pytest.raises(ValueError, match="Nx prefix"):
         ct.parse_topology("0xv5p-128")
     # v5p: 459 TFLOP/s, 2765 GB/s, DCN 50 Gbit/s a chip (6.25 GB/s; 400 GB/s for 64 chips).
-    r = {"compiled_flops_per_chip": 459e12 * 0.5, "hbm_bytes_per_chip": 2765e9 * 0.2, "dcn_bytes_per_slice": 400e9 * 0.1}
+    r = {"compiled_flops_per_chip": 459e12 * 0.5, "hbm_bytes_per_chip": 2765e9 * 0.2, "dcn_bytes_per_slice": 400e9 * 0.1,
+         "model_flops_per_chip": 459e12 * 0.5}
     e = ct.estimate_step(r, t)
     assert e["compute_s"] == pytest.approx(0.5) and e["memory_s"] == pytest.approx(0.2)
     assert e["dcn_s"] == pytest.approx(0.1) and e["step_s"] == pytest.approx(0.6)
+    # Scanned towers: XLA counts the loop body once; the model's FLOPs, bytes scaled alike.
+    e = ct.estimate_step({**r, "scan_layers": True, "compiled_flops_per_chip": 459e12 * 0.05}, t)
+    assert e["compute_s"] == pytest.approx(0.5) and e["memory_s"] == pytest.approx(2.0)
     cfg = ct.load_config(str(ROOT / "configs" / "tiny.py"), [])
     assert tuple(ct.for_topology(cfg, t).mesh.dcn_shape) == (2, 1, 1) and not cfg.mesh.get("dcn_shape")
 

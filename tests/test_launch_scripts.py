@@ -209,6 +209,46 @@ def test_tpu_resume_reuses_the_vm_and_keeps_the_workdir(env):
     assert "--config.data.tokenizer.path=gs://bkt/tok/spiece.model" in starts[0]
 
 
+def test_tpu_multislice_through_queued_resources(env, tokenizer):
+    """NUM_SLICES=2: one queued resource of 2 nodes (waited for while it is provisioned), the code,
+    tokenizer, setup and trainer on every host of both slices, the data axis across them;
+    status/stop reach both slices, delete takes the queued resource."""
+    ms = {**POD, "NUM_SLICES": "2", "TPU_NAME": "prolip-ms", "ACCELERATOR_TYPE": "v5p-128"}
+    proc = _run(TPU, env, **ms, TOKENIZER=tokenizer, STUB_TPU_STATE="NOT_FOUND", POLL_INTERVAL="0")
+    assert proc.returncode == 0, proc.stderr
+    calls = _calls(Path(env["STUB_LOG"]))
+    Path(env["STUB_LOG"]).unlink()
+    [create] = _gcloud(calls, "create")
+    assert create[1:5] == ["compute", "tpus", "queued-resources", "create"] and create[5] == "prolip-ms"
+    assert {"--node-count=2", "--node-prefix=prolip-ms", "--accelerator-type=v5p-128",
+            "--runtime-version=v2-alpha-tpuv5"} <= set(create)
+    assert _gcloud(calls, "describe")[0][1:4] == ["compute", "tpus", "queued-resources"]
+    assert [c[6].split(":")[0] for c in _gcloud(calls, "scp")] == ["prolip-ms-0", "prolip-ms-1"] * 2
+    ssh = _gcloud(calls, "ssh")
+    assert [c[5] for c in ssh] == ["prolip-ms-0", "prolip-ms-1"] * 2 and all("--worker=all" in c for c in ssh)
+    for start in (_command(c) for c in ssh[2:]):
+        assert r"--config.mesh.dcn_shape=\(2\,1\,1\)" in start and "PROLIP_DISTRIBUTED=1" in start
+    assert "--config.mesh.dcn_shape" not in _command(ssh[0])
+
+    # Provisioned over two state checks, then reused as it is ACTIVE; dry run: both slices' commands.
+    proc = _run(TPU, env, **ms, TOKENIZER=tokenizer, STUB_TPU_STATE="WAITING_FOR_RESOURCES ACTIVE",
+                POLL_INTERVAL="0")
+    assert proc.returncode == 0, proc.stderr
+    assert "is WAITING_FOR_RESOURCES: waiting" in proc.stdout and "reusing TPU VM prolip-ms (ACTIVE)" in proc.stdout
+    Path(env["STUB_LOG"]).unlink()
+    for sub, verb in (("status", "ssh"), ("stop", "ssh"), ("delete", "delete")):
+        assert _run(TPU, env, sub, **ms).returncode == 0
+        calls = _calls(Path(env["STUB_LOG"]))
+        Path(env["STUB_LOG"]).unlink()
+        if verb == "ssh":
+            assert [c[5] for c in calls] == ["prolip-ms-0", "prolip-ms-1"], sub
+        else:
+            assert calls[0][1:6] == ["compute", "tpus", "queued-resources", "delete", "prolip-ms"]
+            assert "--force" in calls[0]
+    line = _one_error_line(_run(TPU, env, **{**ms, "NUM_SLICES": "two"}, TOKENIZER=tokenizer))
+    assert "NUM_SLICES=two: a whole number of slices" in line
+
+
 def test_tpu_refusals(env, tokenizer):
     line = _one_error_line(_run(TPU, env, **POD, TOKENIZER="/nowhere/spiece.model"))
     assert "neither a gs:// path nor a local file" in line
