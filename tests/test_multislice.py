@@ -5,6 +5,9 @@ are what the maths needs, and training on 2 slices equals training on 1 (and res
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +21,8 @@ from prolip_jax.core.objectives.prolip import ppcl
 from test_train import tiny_config
 
 TOL = 1e-5
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # compile_tpu.build_step: the trainer's step, compiled
 
 
 @pytest.fixture
@@ -132,3 +137,27 @@ def test_two_slices_train_as_one_and_resume_across(two_slices, tmp_path):
             continue
         x, y = np.asarray(x), np.asarray(y)
         assert np.abs(x - y).max() <= 1e-5 * max(np.abs(y).max(), 1e-12), jax.tree_util.keystr(path)
+
+
+def test_fsdp_stays_in_a_slice_and_the_gradient_crosses_once(two_slices):
+    """The compiled train step on 2 slices x (data 2, fsdp 2), FSDP rules: the parameters'
+    gathers and reduce-scatters stay in a slice; what crosses is the gradient's all-reduce
+    (2 (S - 1) x the parameters' bytes, S = 2; XLA:CPU all-reduces the whole gradient in each
+    FSDP group, so up to 2x that here), the loss's text blocks, and two activation
+    gathers XLA lays over the whole batch (the token embedding's scatter-add backward and the
+    masked rows', 12 KB here: far below one copy of the parameters, which a parameter gather
+    would move)."""
+    import compile_tpu as ct
+
+    config = ct.load_config(str(ROOT / "configs" / "tiny.py") + ":data=random,size=micro",
+                            ["--config.mesh.shape=(-1,2,1)", "--config.mesh.dcn_shape=(2,1,1)",
+                             "--config.sharding_rules=fsdp", "--config.loss.ppcl_impl=ring"])
+    jitted, args, facts = ct.build_step(config, jax.devices()[:8])
+    mesh = facts.pop("mesh_object")
+    assert sharding.mesh_slices(mesh) == 2 and dict(mesh.shape) == {"data": 4, "fsdp": 2, "tensor": 1}
+    t = traffic.program_traffic(jitted.lower(*args).compile(), mesh)
+    param_bytes = 4 * facts["params"]
+    assert t.by_kind["reduce-scatter"] == t.by_kind["all-to-all"] == 0, t
+    assert t.by_kind["all-gather"] < param_bytes / 10, (t, param_bytes)
+    assert 2 * param_bytes <= t.by_kind["all-reduce"] <= 2 * 2 * param_bytes * 1.02 + 4096, (t, param_bytes)
+    assert t.by_kind["collective-permute"] == 2 * 8 * 2 * (32 + 1) * 4  # the ring's: 2 rows a position

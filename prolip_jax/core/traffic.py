@@ -38,6 +38,10 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+# XLA's mesh form: mesh['axis_0'=2,'axis_1'=4], device_ids=(<iota>) {'axis_0'}: the devices (in
+# the iota's order, else 0..n-1) laid on the named axes; a group varies over the braced axes.
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}")
+_IOTA = re.compile(r"\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
@@ -78,7 +82,24 @@ def _payload(kind: str, start: bool, result: str) -> int:
 
 def replica_groups(line: str, num_devices: int) -> list[list[int]]:
     """The participant groups of a collective: explicit lists, the iota form
-    `[groups,size]<=[dims]T(perm)`, or (absent) every device in one group."""
+    `[groups,size]<=[dims]T(perm)`, the mesh form, or (absent) every device in one group."""
+    m = _GROUPS_MESH.search(line)
+    if m:
+        axes = [(name.strip().strip("'"), int(size)) for name, size in
+                (a.split("=") for a in m.group(1).split(",") if a.strip())]
+        sizes = [size for _, size in axes]
+        ids = np.arange(math.prod(sizes))
+        if m.group(2):
+            it = _IOTA.fullmatch(m.group(2).strip())
+            shape = [int(x) for x in (it.group(2) or it.group(1)).split(",")]
+            ids = ids.reshape(shape)
+            if it.group(3):
+                ids = ids.transpose([int(x) for x in it.group(3).split(",")])
+        grid = ids.reshape(sizes)
+        varying = [i for i, (name, _) in enumerate(axes) if f"'{name}'" in m.group(3) or name in m.group(3).split(",")]
+        fixed = [i for i in range(len(axes)) if i not in varying]
+        group = math.prod(sizes[i] for i in varying)
+        return grid.transpose(fixed + varying).reshape(-1, group).tolist()
     m = _GROUPS_IOTA.search(line)
     if m:
         shape = [int(x) for x in m.group(1).split(",")]
