@@ -214,6 +214,7 @@ def build_step(config: Any, devices: list[Any], mcfg: Any = None, constraints: b
     scfg = step_config(tc)
     model = build_model(tc, mcfg)
     traced = step_lib.trace_params(model)  # model.init traced once: shapes, logical axes
+    sharding.check_divisible(traced.boxed, mesh, config.sharding_rules)
     param_shapes = traced.shapes
     optim_cfg = tc.optim
     tx, schedule = optim.make_optimizer(optim_cfg, config.total_steps, param_shapes, step=0)
@@ -468,12 +469,15 @@ def for_topology(config: Any, topo: Topology) -> Any:
 def check(config: Any, topo: Topology) -> None:
     """The trainer's checks of `config` on `topo`'s mesh (prolip_jax/trainer/build.py validate): ValueError."""
     from prolip_jax.core import sharding
-    from prolip_jax.trainer.build import model_config, validate
+    from prolip_jax.core import step as step_lib
+    from prolip_jax.trainer.build import build_model, model_config, validate
     from prolip_jax.trainer.config import parse_config
 
     tc = parse_config(config)
     mesh = sharding.make_mesh(tc.mesh.shape, tc.mesh.axes, devices=topology_devices(topo), dcn_shape=tc.mesh.dcn_shape)
-    validate(tc, mesh, model_config(tc))
+    mcfg = model_config(tc)
+    validate(tc, mesh, mcfg)
+    sharding.check_divisible(step_lib.trace_params(build_model(tc, mcfg)).boxed, mesh, config.sharding_rules)
 
 
 def main(argv: list[str] | None = None) -> int:

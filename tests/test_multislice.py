@@ -164,3 +164,15 @@ def test_fsdp_stays_in_a_slice_and_the_gradient_crosses_once(two_slices):
     assert t.by_kind["all-gather"] < param_bytes / 10, (t, param_bytes)
     assert 2 * param_bytes <= t.by_kind["all-reduce"] <= 2 * 2 * param_bytes * 1.02 + 4096, (t, param_bytes)
     assert t.by_kind["collective-permute"] == 2 * 8 * 2 * (32 + 1) * 4  # the ring's: 2 rows a position
+
+
+def test_a_parameter_that_does_not_divide_over_its_axes_is_one_line(two_slices):
+    import flax.linen as nn
+
+    mesh = sharding.make_mesh((-1, 4, 1), ("data", "fsdp", "tensor"), dcn_shape=(2, 1, 1))
+    boxed = {"tower": {"w": nn.LogicallyPartitioned(jax.ShapeDtypeStruct((1152, 8), jnp.float32), ("embed", None))}}
+    sharding.check_divisible(boxed, mesh, "replicated")  # nothing split
+    boxed["tower"]["w"] = nn.LogicallyPartitioned(jax.ShapeDtypeStruct((1154, 8), jnp.float32), ("embed", None))
+    with pytest.raises(ValueError, match=r"parameter tower/w \(1154, 8\): its dimension 1154 does not divide over "
+                                         r"mesh axes fsdp \(4 devices\); change config.mesh.shape"):
+        sharding.check_divisible(boxed, mesh, "fsdp")

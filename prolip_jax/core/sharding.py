@@ -178,6 +178,21 @@ def logical_shardings(boxed_tree: Any, mesh: Mesh, rules) -> Any:
     return nn.logical_to_mesh_sharding(specs, mesh, resolve_rules(rules))
 
 
+def check_divisible(boxed_tree: Any, mesh: Mesh, rules) -> None:
+    """Every parameter dimension divides over the mesh axes its logical axis maps to: else one
+    line naming the parameter (jax would raise an IndivisibleError from deep inside the init)."""
+    shardings = logical_shardings(boxed_tree, mesh, rules)
+    shapes = nn.unbox(boxed_tree)
+    for (path, shape), named in zip(jax.tree_util.tree_leaves_with_path(shapes), jax.tree.leaves(shardings)):
+        for size, axes in zip(shape.shape, named.spec):
+            parts = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+            if size % parts:
+                name = "/".join(str(getattr(k, "key", k)) for k in path)
+                raise ValueError(f"parameter {name} {tuple(shape.shape)}: its dimension {size} does not divide over "
+                                 f"mesh axes {axes} ({parts} devices); change config.mesh.shape (e.g. fewer fsdp "
+                                 "devices per slice) or config.sharding_rules")
+
+
 def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
     """This host's rows -> global arrays sharded over the batch axes (multi-host safe)."""
     return {k: jax.make_array_from_process_local_data(batch_sharding(mesh, np.ndim(v)), np.asarray(v))

@@ -140,6 +140,7 @@ def build(tc: TrainConfig) -> Parts:
     scfg = step_config(tc)
     model = build_model(tc, mcfg)
     traced = step_lib.trace_params(model)
+    sharding.check_divisible(traced.boxed, mesh, tc.run.sharding_rules)
     make_optimizer(tc, traced.shapes, 0)  # lock/group patterns against the parameters
     data = build_train_data(tc, mcfg, scfg)
     return Parts(tc, mesh, mcfg, model, scfg, traced, data, build_evaluators(tc.run, model))
