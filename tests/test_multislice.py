@@ -30,9 +30,13 @@ def two_slices(monkeypatch):
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
     monkeypatch.setattr(sharding, "slice_index", lambda d: d.id // 4)
-    # XLA:CPU can deadlock running a program read back from the persistent compilation cache
-    # whose devices may reach two independent collectives in either order (the gathered texts'
-    # permute, the gradients' all-reduce): these programs are never written there.
+
+
+@pytest.fixture
+def uncached():
+    """XLA:CPU can deadlock running a program read back from the persistent compilation cache
+    whose devices may reach two independent collectives in either order (the ring's gathered
+    texts' permute, the gradients' all-reduce): such programs are never written there."""
     old = jax.config.jax_persistent_cache_min_compile_time_secs
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e12)
     yield
@@ -85,7 +89,7 @@ def _ring(mesh, args):
 
 
 @pytest.mark.parametrize("ici", [(-1, 1, 1), (-1, 2, 1)])
-def test_the_ring_over_slices_is_exact_and_crosses_dcn_once(two_slices, ici):
+def test_the_ring_over_slices_is_exact_and_crosses_dcn_once(two_slices, uncached, ici):
     mesh = sharding.make_mesh(ici, ("data", "fsdp", "tensor"), dcn_shape=(2, 1, 1))
     args = _inputs()
     (loss, grads), compiled = _ring(mesh, args)
@@ -142,7 +146,7 @@ def test_two_slices_train_as_one_and_resume_across(two_slices, tmp_path):
         assert np.abs(x - y).max() <= 1e-5 * max(np.abs(y).max(), 1e-12), jax.tree_util.keystr(path)
 
 
-def test_fsdp_stays_in_a_slice_and_the_gradient_crosses_once(two_slices):
+def test_fsdp_stays_in_a_slice_and_the_gradient_crosses_once(two_slices, uncached):
     """The compiled train step on 2 slices x (data 2, fsdp 2), FSDP rules: the parameters'
     gathers and reduce-scatters stay in a slice; what crosses is the gradient's all-reduce
     (2 (S - 1) x the parameters' bytes, S = 2; XLA:CPU all-reduces the whole gradient in each
