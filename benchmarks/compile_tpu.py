@@ -235,7 +235,7 @@ def build_step(config: Any, devices: list[Any], mcfg: Any = None, constraints: b
     model_flops = flops_lib.train_step_flops(mcfg, b, image_keep_ratio=config.masking.image_keep_ratio,
                                              num_masked=step_lib.num_masked_rows(b, scfg))
     facts = {"mesh": dict(mesh.shape), "rules": config.sharding_rules, "params": n_params,
-             "model_flops": model_flops, "dtype": config.model.dtype, "mesh_object": mesh}
+             "model_flops": model_flops, "dtype": config.model.dtype}
     return jitted, (state, batch), facts
 
 
@@ -277,7 +277,7 @@ def _compile(config: Any, devices: list[Any], hbm_gib: float, mcfg: Any = None,
 
     t0, c0 = time.perf_counter(), time.process_time()  # wall and CPU (all threads): a shared machine's wall time drifts
     jitted, args, facts = build_step(config, devices, mcfg, constraints)
-    mesh = facts.pop("mesh_object")
+    mesh = args[1]["image"].sharding.mesh  # the batch is laid out on the step's mesh
     lowered = jitted.lower(*args)
     out = {"facts": facts}
     try:
@@ -360,7 +360,6 @@ def compile_report(config: Any, topology: str | Topology, label: str = "", extra
         for key in ("compile_s", "compile_cpu_s"):
             measured[key] = sum(r[key] for r in shallow)
         measured["facts"] = build_step(config, devices, mcfg)[2]  # the full model's (traced, not compiled)
-        measured["facts"].pop("mesh_object")
         how = "extrapolated from " + " and ".join(f"{v}+{t}" for v, t in depths) + " blocks"
     if not constraints:
         how += ", activation constraints off"

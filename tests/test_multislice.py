@@ -160,7 +160,7 @@ def test_fsdp_stays_in_a_slice_and_the_gradient_crosses_once(two_slices, uncache
                             ["--config.mesh.shape=(-1,2,1)", "--config.mesh.dcn_shape=(2,1,1)",
                              "--config.sharding_rules=fsdp", "--config.loss.ppcl_impl=ring"])
     jitted, args, facts = ct.build_step(config, jax.devices()[:8])
-    mesh = facts.pop("mesh_object")
+    mesh = args[1]["image"].sharding.mesh
     assert sharding.mesh_slices(mesh) == 2 and dict(mesh.shape) == {"data": 4, "fsdp": 2, "tensor": 1}
     t = traffic.program_traffic(jitted.lower(*args).compile(), mesh)
     param_bytes = 4 * facts["params"]

@@ -11,6 +11,7 @@ as MaxText's `dcn_data_parallelism` does: the mesh is jax's hybrid mesh, slice-m
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Any, Sequence
@@ -39,10 +40,6 @@ class MeshConfig:
         if len(self.shape) != len(self.axes):
             raise ValueError(f"config.mesh.shape {self.shape} and axes {self.axes} differ in length")
         check_dcn_shape(self.dcn_shape, self.axes)
-
-    @property
-    def slices(self) -> int:
-        return math.prod(self.dcn_shape)
 
 
 def check_dcn_shape(dcn_shape: Sequence[int], axes: Sequence[str]) -> None:
@@ -117,7 +114,8 @@ def make_mesh(shape: Sequence[int], axes: Sequence[str], devices: Sequence[jax.D
     mesh (`mesh_utils.create_hybrid_device_mesh`): axis sizes shape x dcn_shape, slice-major."""
     devices = list(jax.devices() if devices is None else devices)
     slices = math.prod(dcn_shape) if dcn_shape else 1
-    found = sorted(set(device_slices(devices)))
+    per_slice = collections.Counter(device_slices(devices))  # slice -> its device count
+    found = sorted(per_slice)
     if slices == 1:
         if len(found) > 1 and devices[0].platform == "tpu":  # elsewhere a flat mesh over hosts is fine
             raise ValueError(f"the devices are in {len(found)} slices: set config.mesh.dcn_shape, e.g. "
@@ -130,10 +128,10 @@ def make_mesh(shape: Sequence[int], axes: Sequence[str], devices: Sequence[jax.D
     if len(found) != slices:
         raise ValueError(f"config.mesh.dcn_shape {tuple(dcn_shape)} spans {slices} slices; the devices are in "
                          f"{len(found)}")
-    per_slice = [sum(1 for i in device_slices(devices) if i == s) for s in found]
-    if len(set(per_slice)) > 1:
-        raise ValueError(f"the slices hold different device counts {per_slice}: a hybrid mesh needs equal slices")
-    ici = _resolve_shape(shape, axes, per_slice[0], " per slice")
+    counts = [per_slice[s] for s in found]
+    if len(set(counts)) > 1:
+        raise ValueError(f"the slices hold different device counts {counts}: a hybrid mesh needs equal slices")
+    ici = _resolve_shape(shape, axes, counts[0], " per slice")
     granules = mesh_utils.create_hybrid_device_mesh(ici, tuple(dcn_shape), [_Granule(d) for d in devices])
     grid = np.vectorize(lambda g: g.device, otypes=[object])(granules)
     mesh = Mesh(grid, tuple(axes), axis_types=(AxisType.Auto,) * len(axes))

@@ -37,11 +37,12 @@ _CALLED = re.compile(r"\b(?:body|to_apply|calls|true_computation|false_computati
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+# XLA's iota form: [dims]<=[reshape]T(perm): 0..n-1 laid out as `reshape`, transposed, read as `dims`.
+_IOTA = r"\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?"
+_GROUPS_IOTA = re.compile(r"replica_groups=" + _IOTA)
 # XLA's mesh form: mesh['axis_0'=2,'axis_1'=4], device_ids=(<iota>) {'axis_0'}: the devices (in
 # the iota's order, else 0..n-1) laid on the named axes; a group varies over the braced axes.
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}")
-_IOTA = re.compile(r"\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
@@ -51,7 +52,6 @@ class Traffic:
 
     slices: int
     by_kind: dict[str, float] = dataclasses.field(default_factory=lambda: {k: 0.0 for k in KINDS})
-    collectives: int = 0  # collectives that cross slices (times their loop trip counts)
 
     @property
     def total_bytes(self) -> float:
@@ -80,6 +80,16 @@ def _payload(kind: str, start: bool, result: str) -> int:
     return sum(sizes)
 
 
+def _iota(m: re.Match) -> np.ndarray:
+    """The device ids of an iota match (`_IOTA`'s three groups), in the shape of its dims."""
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    dims = ints(m.group(1))
+    ids = np.arange(math.prod(dims)).reshape(ints(m.group(2) or m.group(1)))
+    if m.group(3):
+        ids = ids.transpose(ints(m.group(3)))
+    return ids.reshape(dims)
+
+
 def replica_groups(line: str, num_devices: int) -> list[list[int]]:
     """The participant groups of a collective: explicit lists, the iota form
     `[groups,size]<=[dims]T(perm)`, the mesh form, or (absent) every device in one group."""
@@ -88,13 +98,7 @@ def replica_groups(line: str, num_devices: int) -> list[list[int]]:
         axes = [(name.strip().strip("'"), int(size)) for name, size in
                 (a.split("=") for a in m.group(1).split(",") if a.strip())]
         sizes = [size for _, size in axes]
-        ids = np.arange(math.prod(sizes))
-        if m.group(2):
-            it = _IOTA.fullmatch(m.group(2).strip())
-            shape = [int(x) for x in (it.group(2) or it.group(1)).split(",")]
-            ids = ids.reshape(shape)
-            if it.group(3):
-                ids = ids.transpose([int(x) for x in it.group(3).split(",")])
+        ids = _iota(re.fullmatch(_IOTA, m.group(2).strip())) if m.group(2) else np.arange(math.prod(sizes))
         grid = ids.reshape(sizes)
         varying = [i for i, (name, _) in enumerate(axes) if f"'{name}'" in m.group(3) or name in m.group(3).split(",")]
         fixed = [i for i in range(len(axes)) if i not in varying]
@@ -102,12 +106,8 @@ def replica_groups(line: str, num_devices: int) -> list[list[int]]:
         return grid.transpose(fixed + varying).reshape(-1, group).tolist()
     m = _GROUPS_IOTA.search(line)
     if m:
-        shape = [int(x) for x in m.group(1).split(",")]
-        ids = np.arange(math.prod(int(x) for x in m.group(2).split(","))).reshape(
-            [int(x) for x in m.group(2).split(",")])
-        if m.group(3):
-            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-        return ids.reshape(shape).reshape(shape[0], -1).tolist()
+        ids = _iota(m)
+        return ids.reshape(ids.shape[0], -1).tolist()
     m = _GROUPS_LIST.search(line)
     if m and m.group(1):
         return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
@@ -157,14 +157,13 @@ def dcn_traffic(hlo: str, slice_of: Sequence[int]) -> Traffic:
     """The DCN bytes of one call of the program `hlo` (optimised HLO text,
     `compiled.as_text()`), whose logical device i is in slice `slice_of[i]`."""
     computations, entry = _parse(hlo)
-    traffic = Traffic(slices=len(set(slice_of)))
-    memo: dict[str, tuple[dict[str, float], int]] = {}
+    memo: dict[str, dict[str, float]] = {}
 
-    def visit(name: str) -> tuple[dict[str, float], int]:
+    def visit(name: str) -> dict[str, float]:
         if name in memo:
             return memo[name]
-        memo[name] = ({k: 0.0 for k in KINDS}, 0)  # a recursive reference counts nothing
-        sums, count = {k: 0.0 for k in KINDS}, 0
+        memo[name] = {k: 0.0 for k in KINDS}  # a recursive reference counts nothing
+        sums = {k: 0.0 for k in KINDS}
         for line in computations.get(name, ()):
             m = _INSTRUCTION.match(line)
             if not m:
@@ -173,34 +172,25 @@ def dcn_traffic(hlo: str, slice_of: Sequence[int]) -> Traffic:
             start = op.endswith("-start")
             kind = op[:-len("-start")] if start else op
             if op == "send" and "_xla_megascale_transfer_type" in line:
-                b = float(_shape_bytes(result)[0] * len(slice_of))  # every device of every slice
-                sums["megascale"] += b
-                count += 1
+                sums["megascale"] += float(_shape_bytes(result)[0] * len(slice_of))  # every device of every slice
             elif kind in KINDS:
-                b = _collective_bytes(kind, line, _payload(kind, start, result), slice_of)
-                sums[kind] += b
-                count += b > 0
+                sums[kind] += _collective_bytes(kind, line, _payload(kind, start, result), slice_of)
             if op in ("async-done", "async-update"):  # the computation its async-start ran
                 continue
             trip = _TRIP.search(line) if op == "while" else None
             trips = int(trip.group(1)) if trip else 1
-            for c in _CALLED.findall(line):
-                sub, n = visit(c)
-                for k in KINDS:
-                    sums[k] += trips * sub[k]
-                count += trips * n
+            called = [(trips, visit(c)) for c in _CALLED.findall(line)]
             branches = _BRANCHES.search(line)
             if branches:  # one branch runs: the one that sends most
-                sub, n = max((visit(c.strip().lstrip("%")) for c in branches.group(1).split(",")),
-                             key=lambda r: sum(r[0].values()))
+                called.append((1, max((visit(c.strip().lstrip("%")) for c in branches.group(1).split(",")),
+                                      key=lambda sub: sum(sub.values()))))
+            for times, sub in called:
                 for k in KINDS:
-                    sums[k] += sub[k]
-                count += n
-        memo[name] = (sums, count)
-        return memo[name]
+                    sums[k] += times * sub[k]
+        memo[name] = sums
+        return sums
 
-    traffic.by_kind, traffic.collectives = visit(entry)
-    return traffic
+    return Traffic(slices=len(set(slice_of)), by_kind=visit(entry))
 
 
 def program_traffic(compiled, mesh) -> Traffic:
