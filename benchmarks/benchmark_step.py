@@ -33,6 +33,10 @@ from typing import Any, Callable
 
 _START = time.perf_counter()  # before jax's import: the process's own start-up is part of a run's cost
 
+from prolip_jax.runtime import xla_flags  # noqa: E402
+
+xla_flags.apply()  # as the trainer does: the platform's XLA flags before jax's backend starts
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
@@ -173,7 +177,7 @@ class Bench:
         from prolip_jax.trainer.config import parse_config
 
         self.config, self.sharding, self.step_lib = config, sharding, step_lib
-        tc = parse_config(config)
+        self.tc = tc = parse_config(config)
         self.mcfg = model_config(tc)
         self.mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
         self.scfg = step_config(tc)
@@ -307,7 +311,8 @@ def main(argv: list[str] | None = None) -> None:
         "remat": config.model.remat, "attention_impl": config.model.attention_impl,
         "attention_impl_resolved": resolve_attention_impl(config.model.attention_impl, dtype),
         "ppcl_impl": config.loss.get("ppcl_impl"), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "overrides": args.set}
+        "overrides": args.set, "levers": bench.tc.levers_line()}
+    print(result["levers"], flush=True)
     print(f"device: {n} x {kind}; model {config.model.variant} ({result['dtype']}); ppcl {result['ppcl_impl']}; "
           f"remat {config.model.remat}; attention {result['attention_impl_resolved']}", flush=True)
 

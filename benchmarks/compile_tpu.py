@@ -207,7 +207,7 @@ def build_step(config: Any, devices: list[Any], mcfg: Any = None, constraints: b
     from prolip_jax.trainer.build import build_model, model_config, step_config, validate
     from prolip_jax.trainer.config import parse_config
 
-    tc = parse_config(config)
+    tc = parse_config(config, platform="tpu")
     mcfg = model_config(tc) if mcfg is None else mcfg
     mesh = sharding.make_mesh(tc.mesh.shape, tc.mesh.axes, devices=devices, dcn_shape=tc.mesh.dcn_shape)
     validate(tc, mesh, mcfg)  # the trainer's checks: batch layout over the mesh, sizes, combinations
@@ -345,7 +345,7 @@ def compile_report(config: Any, topology: str | Topology, label: str = "", extra
 
     topo = parse_topology(topology) if isinstance(topology, str) else topology
     devices = topology_devices(topo)
-    mcfg = model_config(parse_config(config))
+    mcfg = model_config(parse_config(config, platform="tpu"))
     full = (mcfg.vision.layers, mcfg.text.layers)
     depths = shallow_depths(*full) if extrapolate_depth else None
     if depths is None:
@@ -472,7 +472,7 @@ def check(config: Any, topo: Topology) -> None:
     from prolip_jax.trainer.build import build_model, model_config, validate
     from prolip_jax.trainer.config import parse_config
 
-    tc = parse_config(config)
+    tc = parse_config(config, platform="tpu")
     mesh = sharding.make_mesh(tc.mesh.shape, tc.mesh.axes, devices=topology_devices(topo), dcn_shape=tc.mesh.dcn_shape)
     mcfg = model_config(tc)
     validate(tc, mesh, mcfg)

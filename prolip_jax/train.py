@@ -13,11 +13,12 @@ from __future__ import annotations
 # process has become the supervisor of the one that trains: jax and the project take seconds to load.
 import sys
 
-from prolip_jax.runtime import supervise, train_flags
+from prolip_jax.runtime import supervise, train_flags, xla_flags
 
 if __name__ == "__main__":
     train_flags.exit_if_help(sys.argv, __doc__)
     train_flags.exit_if_supervisor(sys.argv)
+    xla_flags.apply()  # the platform's XLA flags, before jax's backend starts (the user's XLA_FLAGS win)
 
 import os
 from typing import Any, NoReturn

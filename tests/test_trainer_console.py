@@ -100,6 +100,7 @@ def test_console_of_a_tiny_run(tmp_path, capsys):
                                           summary[0]), summary
     assert str(workdir / "parameters.txt") in summary[0]
     assert not any(line.startswith(("|", "+-")) for line in lines)  # no row of the table
+    assert lines.count("speed levers (cpu): none") == 1  # the platform's defaults: none on the CPU
     compiling, compiled = lines.index("compiling the train step..."), lines.index(
         next(line for line in lines if line.startswith("compiled in ")))
     first_step = lines.index(next(line for line in lines if line.startswith("[1/2")))
@@ -128,7 +129,7 @@ def test_console_of_a_tiny_run(tmp_path, capsys):
     assert (workdir / "checkpoints" / "2").is_dir()
     assert re.fullmatch(rf"  python \S*scripts/evaluate\.py --checkpoint {re.escape(str(workdir))} --config "
                         rf"\S*configs/eval/demo\.py --out {re.escape(str(workdir / 'eval'))}", lines[-1]), lines[-1]
-    assert len(lines) <= 9, lines
+    assert len(lines) <= 10, lines
 
 
 def test_the_evaluate_command_fits_the_run_data():

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 import flax.linen as nn
 import flax.struct
@@ -111,13 +111,19 @@ class StepOptions:
     """`config.step`: how the step computes, not what. Each option is a speed lever measured in
     docs/performance.md and tested against the default step (tests/test_speed_levers.py)."""
 
+    # None: the platform's default (PLATFORM_DEFAULTS, resolved by the trainer's parse_config).
     # A bfloat16/float16 copy of the kernels made once per step, used by the full and the masked
     # forward, instead of a cast at every use. Not bit-identical in 16-bit compute: the two
     # forwards' weight gradients then add in the compute dtype before the cast back to float32.
-    cast_params_once: bool = False
+    cast_params_once: bool | None = None
     # "per_leaf": a boolean reduction per leaf of grads, params and optimiser state; "fused": one
     # float sum (all_finite). The same decision either way.
-    finite_guard: Literal["per_leaf", "fused"] = "per_leaf"
+    finite_guard: Literal["per_leaf", "fused"] | None = None
+
+    # The levers that won on the GPU (docs/performance.md, "Levers and defaults"); CPU and TPU
+    # keep the programs the golden tests pin.
+    PLATFORM_DEFAULTS: ClassVar[dict] = {"default": dict(cast_params_once=False, finite_guard="per_leaf"),
+                                         "gpu": dict(cast_params_once=True, finite_guard="fused")}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,8 @@ fields are the section's knobs with their defaults (e.g. `optim.OptimConfig`, th
                                      ill-typed values and choice fields (typing.Literal, or
                                      `field(metadata={"choices": ...})`) refused in one line, then
                                      the dataclass's own `validate()`
+    for_platform(section, name)   -> the section with each field left None set to the
+                                     platform's default (the class's PLATFORM_DEFAULTS)
 
 so a knob is declared once and a bad one fails before anything compiles.
 """
@@ -185,9 +187,35 @@ def _check_type(value: Any, hint: Any, name: str) -> Any:
 
 
 def _flatten(hint: Any) -> tuple:
+    """The scalar types a hint allows: a Union's members, a Literal's values' types."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return tuple(a for arg in typing.get_args(hint) for a in _flatten(arg))
+    if typing.get_origin(hint) is Literal:
+        return tuple(dict.fromkeys(type(a) for a in typing.get_args(hint)))
     return (hint,)
+
+
+def for_platform(section: Any, platform: str) -> Any:
+    """`section` with each field left None given its default on `platform`: a class declares
+    `PLATFORM_DEFAULTS = {"default": {field: value}, "gpu": {field: value}, ...}` (a ClassVar)
+    for the fields whose best value depends on where the program runs (the speed levers)."""
+    table = getattr(type(section), "PLATFORM_DEFAULTS", None)
+    if not table:
+        return section
+    chosen = {**table["default"], **table.get(platform, {})}
+    return dataclasses.replace(section, **{k: v for k, v in chosen.items() if getattr(section, k) is None})
+
+
+def levers_on(section: Any, where: str) -> list[str]:
+    """The PLATFORM_DEFAULTS fields of `section` set away from their "default" entry, named as a
+    config override would name them: `model.flat_tokens`, `step.finite_guard=fused`."""
+    table = getattr(type(section), "PLATFORM_DEFAULTS", None) or {"default": {}}
+    on = []
+    for k, off in table["default"].items():
+        value = getattr(section, k)
+        if value is not None and value != off:
+            on.append(f"{where}.{k}" if value is True else f"{where}.{k}={value}")
+    return on
 
 
 def _name(hint: Any) -> str:

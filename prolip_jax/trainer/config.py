@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Literal
+import os
+from typing import Any, ClassVar, Literal
+
+import jax
 
 from input_pipeline.config import DataConfig
 from prolip_jax.core import checkpoint as ckpt_lib
 from prolip_jax.core import objectives, optim, sharding
-from prolip_jax.runtime import profiling, schema
+from prolip_jax.runtime import profiling, schema, xla_flags
 from prolip_jax.core import step as step_lib
 from prolip_jax.core.models.config import PAPER_INIT_LOGIT_SCALE
 from prolip_jax.core.models.transformer import REMAT_POLICIES
@@ -72,9 +75,9 @@ class ModelOptions:
     # GPU speed levers of the blocks, the same arithmetic, one line per field of
     # models/transformer.py BlockLevers (build_model passes them by name; tests/test_speed_levers.py;
     # docs/performance.md): the blocks on [B*T, D] token matrices, and the LayerNorms' backward
-    # reading the forward's row statistics.
-    flat_tokens: bool = False
-    ln_saved_stats: bool = False
+    # reading the forward's row statistics. None: the platform's (PLATFORM_DEFAULTS).
+    flat_tokens: bool | None = None
+    ln_saved_stats: bool | None = None
     init_logit_scale: float = PAPER_INIT_LOGIT_SCALE  # log a
     init_logit_bias: float | None = None  # b; None: the variant's (ProLIP: -10)
     # The joint embedding's size (mu, sigma^2); 0: the variant's. PCME++ on COCO: 1024 on CLIP's
@@ -82,6 +85,11 @@ class ModelOptions:
     embed_dim: int = 0
     vision: Any = dataclasses.field(default_factory=dict)
     text: Any = dataclasses.field(default_factory=dict)
+
+    # The levers that won on the GPU (docs/performance.md, "Levers and defaults"); CPU and TPU
+    # keep the programs the golden tests pin.
+    PLATFORM_DEFAULTS: ClassVar[dict] = {"default": dict(flat_tokens=False, ln_saved_stats=False),
+                                         "gpu": dict(flat_tokens=True)}
 
 
 # The config's sections and the dataclass declaring each one's fields, beside the code that uses
@@ -119,19 +127,36 @@ class TrainConfig:
     loss: Any  # that objective's Config
     # The batch is the run's (config.batch_size) and the seed, unless data.seed sets it, too.
     data: DataConfig
+    platform: str = "cpu"  # what the levers left None were resolved for (parse_config)
 
     @property
     def normalization(self) -> str:
         return self.data.normalization
+
+    def for_platform(self, platform: str) -> "TrainConfig":
+        """The config with every lever left None at `platform`'s default (schema.for_platform)."""
+        return dataclasses.replace(self, platform=platform, **{
+            name: schema.for_platform(getattr(self, name), platform) for name in SECTIONS})
+
+    def levers(self) -> list[str]:
+        """The config's speed levers that are on, as overrides name them (`model.flat_tokens`)."""
+        return [lever for name in SECTIONS for lever in schema.levers_on(getattr(self, name), name)]
+
+    def levers_line(self) -> str:
+        """One line naming the levers in effect: the config's and the project's XLA flags."""
+        flags = xla_flags.active(self.platform)
+        named = self.levers() + ([f"XLA_FLAGS {xla_flags.describe(flags)}"] if flags else [])
+        return f"speed levers ({self.platform}): {', '.join(named) or 'none'}"
 
 
 def objective_name(config) -> str:
     return config.loss.get("objective", "prolip") if "loss" in config else "prolip"
 
 
-def parse_config(config) -> TrainConfig:
+def parse_config(config, platform: str | None = None) -> TrainConfig:
     """Every field of `config` checked against its declaration: unknown fields, wrong types and
-    values outside a field's choices are one-line ValueErrors / TypeErrors."""
+    values outside a field's choices are one-line ValueErrors / TypeErrors. The speed levers the
+    config leaves None take `platform`'s defaults (default: jax's backend, "cpu", "gpu", "tpu")."""
     schema.check_keys(config.keys(), {*schema.fields(RunConfig), *SECTIONS, "loss", "data"}, "config")
     run = schema.parse(RunConfig, {k: config[k] for k in schema.fields(RunConfig) if k in config}, "config")
     sections = {name: schema.parse(cls, config.get(name), f"config.{name}") for name, cls in SECTIONS.items()}
@@ -139,7 +164,8 @@ def parse_config(config) -> TrainConfig:
     module = objectives.get(name)
     loss = schema.parse(module.Config, {k: v for k, v in (config.get("loss") or {}).items() if k != "objective"},
                         f"config.loss (objective {name!r})")
-    return TrainConfig(run=run, **sections, objective=name, loss=loss, data=parse_data(config.get("data"), run))
+    tc = TrainConfig(run=run, **sections, objective=name, loss=loss, data=parse_data(config.get("data"), run))
+    return tc.for_platform(platform or jax.default_backend())
 
 
 def parse_data(section, run: RunConfig) -> DataConfig:
@@ -161,7 +187,9 @@ def record(tc: TrainConfig) -> dict[str, Any]:
     run["evals"] = {k: schema.plain(v) for k, v in tc.run.evals.items()}
     loss = {"objective": tc.objective, **dataclasses.asdict(tc.loss)}
     data = {k: v for k, v in dataclasses.asdict(tc.data).items() if k != "batch_size"}  # the run's
-    return json.loads(json.dumps({**run, **sections, "loss": loss, "data": data}, default=str))
+    # The speed levers as resolved for this run's platform, and the XLA flags it ran with.
+    levers = {"platform": tc.platform, "on": tc.levers(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    return json.loads(json.dumps({**run, **sections, "loss": loss, "data": data, "levers": levers}, default=str))
 
 
 def recorded(cls: type, saved: Any) -> Any:

@@ -49,6 +49,8 @@ def _train(config, workdir: str, stop_at_step: int | None, extra_hooks: Sequence
     if is_chief and cache:
         print(f"compile cache: {cache}", flush=True)
     parts = build.build(tc)
+    if is_chief:
+        print(tc.levers_line(), flush=True)
     # Pretrained weights (config.init) are imported and checked now, applied after init; a run
     # that resumes never re-imports: its checkpoint already holds the warm-started state.
     resuming = ckpt_lib.is_checkpoint(paths.absolute(workdir / "checkpoints"))
