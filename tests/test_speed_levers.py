@@ -3,7 +3,9 @@
 Each lever runs three real train steps of the micro model from the same state and is compared
 with the default step:
 - `model.flat_tokens` (the blocks on [B*T, D] matrices), `model.ln_saved_stats` (the LayerNorms'
-  backward reads the forward's statistics) and `step.finite_guard="fused"`: the same arithmetic
+  backward reads the forward's statistics), `model.pallas_kernels` (LayerNorm and bias + GELU as
+  Pallas kernels, interpreted on the CPU; each kernel alone: tests/test_kernels.py) and
+  `step.finite_guard="fused"`: the same arithmetic
   in another layout or order, so loss and parameters agree to float32 rounding (relative 1e-5,
   the sharded-step tolerance of tests/test_step.py);
 - `step.cast_params_once` in float32 compute is the identity (bit-identical), and in bfloat16
@@ -66,9 +68,10 @@ def rel(a, b) -> float:
 
 
 def test_layout_levers_give_the_default_step(batch, default_f32):
-    """The three together in one step (a training per lever costs ~10 CPU s of compiling here)."""
+    """The four together in one step (a training per lever costs ~10 CPU s of compiling here)."""
     ref_state, ref_losses = default_f32
-    state, losses = train(batch, levers=BlockLevers(flat_tokens=True, ln_saved_stats=True), finite_guard="fused")
+    state, losses = train(batch, levers=BlockLevers(flat_tokens=True, ln_saved_stats=True, pallas_kernels=True),
+                          finite_guard="fused")
     assert np.allclose(losses, ref_losses, rtol=1e-5, atol=0)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(state.params), jax.tree.leaves(ref_state.params)):
         if "key_bias" in jax.tree_util.keystr(path):  # softmax-invariant: its gradient is rounding noise

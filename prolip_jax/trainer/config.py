@@ -75,9 +75,11 @@ class ModelOptions:
     # GPU speed levers of the blocks, the same arithmetic, one line per field of
     # models/transformer.py BlockLevers (build_model passes them by name; tests/test_speed_levers.py;
     # docs/performance.md): the blocks on [B*T, D] token matrices, and the LayerNorms' backward
-    # reading the forward's row statistics. None: the platform's (PLATFORM_DEFAULTS).
+    # reading the forward's row statistics, LayerNorm and the MLP's bias + activation as Pallas
+    # kernels (models/kernels.py). None: the platform's (PLATFORM_DEFAULTS).
     flat_tokens: bool | None = None
     ln_saved_stats: bool | None = None
+    pallas_kernels: bool | None = None
     init_logit_scale: float = PAPER_INIT_LOGIT_SCALE  # log a
     init_logit_bias: float | None = None  # b; None: the variant's (ProLIP: -10)
     # The joint embedding's size (mu, sigma^2); 0: the variant's. PCME++ on COCO: 1024 on CLIP's
@@ -88,7 +90,7 @@ class ModelOptions:
 
     # The levers that won on the GPU (docs/performance.md, "Levers and defaults"); CPU and TPU
     # keep the programs the golden tests pin.
-    PLATFORM_DEFAULTS: ClassVar[dict] = {"default": dict(flat_tokens=False, ln_saved_stats=False),
+    PLATFORM_DEFAULTS: ClassVar[dict] = {"default": dict(flat_tokens=False, ln_saved_stats=False, pallas_kernels=False),
                                          "gpu": dict(flat_tokens=True)}
 
 

@@ -18,6 +18,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from prolip_jax.core.models import kernels
+
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
 
 # Rematerialisation policies selectable by name (the trainer's config picks one).
@@ -83,17 +85,27 @@ def resolve_attention_impl(impl: str, dtype: jnp.dtype) -> str | None:
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with float32 statistics and logical axis names ('embed',)."""
+    """LayerNorm with float32 statistics and logical axis names ('embed',). Called with a
+    `residual`, it returns (x + residual, LayerNorm(x + residual)): a pre-norm block's stream
+    after a branch and the next branch's input."""
 
     eps: float
     dtype: jnp.dtype = jnp.float32
     saved_stats: bool = False  # see layer_norm
+    kernel: bool = False  # the Pallas kernels (BlockLevers.pallas_kernels, models/kernels.py)
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, residual: jax.Array | None = None):
         d = x.shape[-1]
         scale = self.param("scale", nn.with_logical_partitioning(ones, ("embed",)), (d,))
         bias = self.param("bias", nn.with_logical_partitioning(zeros, ("embed",)), (d,))
+        if self.kernel:
+            if residual is None:
+                return kernels.layer_norm(x, scale, bias, self.eps, self.dtype)
+            return kernels.add_layer_norm(x, residual, scale, bias, self.eps, self.dtype)
+        if residual is not None:
+            x = x + residual
+            return x, layer_norm(x, scale, bias, self.eps, self.saved_stats).astype(self.dtype)
         return layer_norm(x, scale, bias, self.eps, self.saved_stats).astype(self.dtype)
 
 
@@ -144,8 +156,7 @@ def on_platform(*args: jax.Array, cpu: Callable, default: Callable):
     branch, then keeps one when lowering: deciding here skips the other's tracing
     (docs/performance.md, "Levers and defaults"). Where nothing names the platform (encoders traced
     without a mesh, exports for several platforms) platform_dependent decides, as before."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    platform = getattr(device, "platform", None)
+    platform = kernels.traced_platform()
     if platform is None:
         return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
     return (cpu if platform == "cpu" else default)(*args)
@@ -198,6 +209,7 @@ class Linear(nn.Module):
     kernel_init: Initializer
     bias_init: Initializer | None = zeros
     dtype: jnp.dtype = jnp.float32
+    act: str = ""  # an activation applied with the bias by one Pallas kernel (models/kernels.py)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -208,8 +220,10 @@ class Linear(nn.Module):
         if self.bias_init is not None:
             bias = self.param("bias", nn.with_logical_partitioning(self.bias_init, self.axes[1:]),
                               (self.features,))
+            if self.act:
+                return kernels.bias_act(y, bias.astype(self.dtype), self.act)
             y = y + bias.astype(self.dtype)
-        return y
+        return gelu(y, self.act) if self.act else y
 
 
 def attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
@@ -302,6 +316,9 @@ class BlockLevers:
 
     flat_tokens: bool = False  # the blocks on [B*T, D] matrices (residual_block)
     ln_saved_stats: bool = False  # the LayerNorms' backward reads the forward's statistics (layer_norm)
+    # LayerNorm (ln_2 with the residual add before it) and the MLP's bias + activation as Pallas
+    # kernels, forward and backward (models/kernels.py)
+    pallas_kernels: bool = False
 
 
 class ResidualBlock(nn.Module):
@@ -334,12 +351,12 @@ def residual_block(block: ResidualBlock, x: jax.Array) -> jax.Array:
     tokens = None
     if block.levers.flat_tokens:
         tokens, x = shape[:-1], x.reshape(-1, shape[-1])
-    saved_stats = block.levers.ln_saved_stats
-    y = LayerNorm(block.ln_eps, block.dtype, saved_stats, name="ln_1")(x)
-    x = x + Attention(block.num_heads, block.init, block.dtype, block.attention_impl, block.causal,
-                      name="attn")(y, tokens=tokens)
-    y = LayerNorm(block.ln_eps, block.dtype, saved_stats, name="ln_2")(x)
-    x = (x + mlp(block, y, block.mlp_dim, block.act, block.init)).reshape(shape)
+    levers = block.levers
+    y = LayerNorm(block.ln_eps, block.dtype, levers.ln_saved_stats, levers.pallas_kernels, name="ln_1")(x)
+    y = Attention(block.num_heads, block.init, block.dtype, block.attention_impl, block.causal,
+                  name="attn")(y, tokens=tokens)
+    x, y = LayerNorm(block.ln_eps, block.dtype, levers.ln_saved_stats, levers.pallas_kernels, name="ln_2")(x, y)
+    x = (x + mlp(block, y, block.mlp_dim, block.act, block.init, levers.pallas_kernels)).reshape(shape)
     # Name the residual stream so a remat policy or sharding constraint can refer to it.
     return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
@@ -442,12 +459,14 @@ class Encoder(nn.Module):
         return x if fork_after is None else (x, fork)
 
 
-def mlp(module: nn.Module, y: jax.Array, mlp_dim: int, act: str, init: dict) -> jax.Array:
-    """`c_fc -> act -> c_proj`, created inside `module` (a compact parent)."""
+def mlp(module: nn.Module, y: jax.Array, mlp_dim: int, act: str, init: dict, kernel: bool = False) -> jax.Array:
+    """`c_fc -> act -> c_proj`, created inside `module` (a compact parent); `kernel`: c_fc's bias
+    and the activation as one Pallas kernel."""
     d = y.shape[-1]
     dtype = getattr(module, "dtype", jnp.float32)
-    y = Linear(mlp_dim, ("embed", "mlp"), init["fc"], init["fc_bias"](d), dtype, name="c_fc")(y)
-    y = gelu(y, act)
+    y = Linear(mlp_dim, ("embed", "mlp"), init["fc"], init["fc_bias"](d), dtype, name="c_fc",
+               act=act if kernel else "")(y)
+    y = y if kernel else gelu(y, act)
     return Linear(d, ("mlp", "embed"), init["proj"], init["proj_bias"](mlp_dim), dtype, name="c_proj")(y)
 
 

@@ -1,0 +1,319 @@
+"""Pallas kernels for the blocks' row-wise work on the GPU (`BlockLevers.pallas_kernels`).
+
+    layer_norm(x, scale, bias, eps, dtype)             -> LayerNorm(x) in `dtype`
+    add_layer_norm(x, delta, scale, bias, eps, dtype)  -> (x + delta, LayerNorm(x + delta))
+    bias_act(x, bias, act)                             -> act(x + bias)
+
+Each computes what the XLA path computes (transformer.layer_norm, `x + attn` then ln_2, the MLP's
+`c_fc` bias and GELU), forward and backward, to float32 rounding (tests/test_kernels.py). Why:
+in the GPU profile of the B/16 step XLA runs the LayerNorm backward in three passes, one writing
+dy * xhat as a float32 [B*T, D] array for the scale's column sum, and the GELU backward with the
+bias gradient as a kernel of its own (docs/performance.md, "GPU train step"). Here each is one
+pass over its rows: a program holds a block of whole rows (the width padded to a power of two,
+as Triton requires, and masked), so the row statistics, the normalised rows and each block's
+column sums of the parameter gradients come out of one read; the blocks' column sums add up in
+XLA. On a GPU they compile with Triton; elsewhere (the CPU tests) Pallas interprets them.
+
+Under a mesh that splits the batch the kernels run per shard (`jax.shard_map`): XLA cannot
+partition a Triton call and would gather its operands onto every device.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+from jax.sharding import PartitionSpec as P
+
+# Elements in one program's tile of rows: rows = this / the padded width (8 rows of 768 -> 1024).
+TILE_ELEMENTS = 8192
+COLUMNS = 1024  # bias_act's programs also split the width (an MLP's 3072 or 4096)
+NUM_WARPS = 4
+BATCH_AXES = ("data", "fsdp")  # sharding.BATCH_AXES: the mesh axes that split a batch's rows
+
+
+def traced_platform() -> str | None:
+    """The platform of the mesh being traced under (the step's, or a TPU topology's on a CPU
+    host), None where nothing names one (then lax.platform_dependent decides when lowering)."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return getattr(device, "platform", None)
+
+
+# ------------------------------------------------------------------------------ the arithmetic
+def erf(x: jax.Array) -> jax.Array:
+    """float32 erf as a rational function on [-4, 4] (Eigen's and XLA's own float32 erf; beyond
+    4 it is +-1 in float32): Pallas's Triton lowering has no erf."""
+    x = jnp.clip(x, -4.0, 4.0)
+    x2 = x * x
+    p = functools.reduce(lambda acc, c: acc * x2 + c, (
+        2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05, -7.34990630326855e-04,
+        -2.95459980854025e-03, -1.60960333262415e-02), jnp.full_like(x, -2.72614225801306e-10))
+    q = functools.reduce(lambda acc, c: acc * x2 + c, (
+        -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03, -1.42647390514189e-02),
+        jnp.full_like(x, -1.45660718464996e-05))
+    return x * p / q
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + jnp.exp(-x))
+
+
+TANH_C = math.sqrt(2.0 / math.pi)
+
+
+def activation(z: jax.Array, act: str) -> jax.Array:
+    """transformer.gelu's activations in float32."""
+    if act == "gelu":
+        return z * 0.5 * (1.0 + erf(z * math.sqrt(0.5)))
+    if act == "gelu_tanh":
+        return 0.5 * z * (1.0 + jnp.tanh(TANH_C * (z + 0.044715 * z * z * z)))
+    return z * _sigmoid(1.702 * z)  # quick_gelu
+
+
+def activation_grad(z: jax.Array, act: str) -> jax.Array:
+    """d activation / dz."""
+    if act == "gelu":
+        return 0.5 * (1.0 + erf(z * math.sqrt(0.5))) + z * jnp.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
+    if act == "gelu_tanh":
+        t = jnp.tanh(TANH_C * (z + 0.044715 * z * z * z))
+        return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * TANH_C * (1.0 + 3 * 0.044715 * z * z)
+    s = _sigmoid(1.702 * z)  # quick_gelu
+    return s + 1.702 * z * s * (1.0 - s)
+
+
+# ------------------------------------------------------------------------------ kernels
+def _inside(shape: tuple[int, int], n: int, d: int, col_block: int = 0) -> jax.Array:
+    """The tile's elements inside the [n, d] array (the last row block and the padded width are not)."""
+    rows = pl.program_id(0) * shape[0] + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    cols = col_block * shape[1] + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    return (rows < n) & (cols < d)
+
+
+def _ln_fwd_kernel(*refs, n, d, eps, residual):
+    if residual:
+        x_ref, delta_ref, scale_ref, bias_ref, y_ref, h_ref, mean_ref, rstd_ref = refs
+    else:
+        x_ref, scale_ref, bias_ref, y_ref, mean_ref, rstd_ref = refs
+    inside = _inside(x_ref.shape, n, d)
+    h = x_ref[...]
+    if residual:  # the residual stream, rounded to its dtype as `x + delta` is, then normalised
+        h = (h.astype(jnp.float32) + delta_ref[...].astype(jnp.float32)).astype(h_ref.dtype)
+        h_ref[...] = h
+    h = jnp.where(inside, h.astype(jnp.float32), 0.0)
+    mean = jnp.sum(h, axis=1) / d
+    centred = jnp.where(inside, h - mean[:, None], 0.0)
+    rstd = jax.lax.rsqrt(jnp.sum(centred * centred, axis=1) / d + eps)
+    y = centred * rstd[:, None] * scale_ref[...].astype(jnp.float32)[None, :] + bias_ref[...].astype(jnp.float32)[None, :]
+    y_ref[...] = y.astype(y_ref.dtype)
+    mean_ref[...] = mean
+    rstd_ref[...] = rstd
+
+
+def _ln_bwd_kernel(*refs, n, d, residual):
+    if residual:
+        h_ref, dy_ref, dh_ref, scale_ref, mean_ref, rstd_ref, dx_ref, dscale_ref, dbias_ref = refs
+    else:
+        h_ref, dy_ref, scale_ref, mean_ref, rstd_ref, dx_ref, dscale_ref, dbias_ref = refs
+    inside = _inside(h_ref.shape, n, d)
+    mean, rstd = mean_ref[...], rstd_ref[...]
+    xhat = jnp.where(inside, (h_ref[...].astype(jnp.float32) - mean[:, None]) * rstd[:, None], 0.0)
+    dy = jnp.where(inside, dy_ref[...].astype(jnp.float32), 0.0)
+    g = jnp.where(inside, dy * scale_ref[...].astype(jnp.float32)[None, :], 0.0)  # the padding's scale is not 0
+    # The closed form of transformer._layer_norm_bwd: two row means of the scaled gradient.
+    mean_g = jnp.sum(g, axis=1) / d
+    mean_gx = jnp.sum(g * xhat, axis=1) / d
+    dx = rstd[:, None] * (g - mean_g[:, None] - xhat * mean_gx[:, None])
+    if residual:  # the stream's own gradient passes through the add
+        dx = dx + dh_ref[...].astype(jnp.float32)
+    dx_ref[...] = dx.astype(dx_ref.dtype)
+    dscale_ref[...] = jnp.sum(dy * xhat, axis=0)[None, :]
+    dbias_ref[...] = jnp.sum(dy, axis=0)[None, :]
+
+
+def _bias_act_fwd_kernel(x_ref, b_ref, y_ref, *, act):
+    z = x_ref[...].astype(jnp.float32) + b_ref[...].astype(jnp.float32)[None, :]
+    y_ref[...] = activation(z, act).astype(y_ref.dtype)
+
+
+def _bias_act_bwd_kernel(x_ref, b_ref, dy_ref, dx_ref, db_ref, *, n, d, act):
+    inside = _inside(x_ref.shape, n, d, pl.program_id(1))
+    z = x_ref[...].astype(jnp.float32) + b_ref[...].astype(jnp.float32)[None, :]
+    dz = jnp.where(inside, dy_ref[...].astype(jnp.float32) * activation_grad(z, act), 0.0)
+    dx_ref[...] = dz.astype(dx_ref.dtype)
+    db_ref[...] = jnp.sum(dz, axis=0)[None, :]
+
+
+# ------------------------------------------------------------------------------ calls
+def _call(kernel, out_shape, grid, in_specs, out_specs, **static):
+    """The kernel compiled by Triton on a GPU, interpreted by Pallas elsewhere."""
+    def call(interpret: bool):
+        return pl.pallas_call(
+            functools.partial(kernel, **static), out_shape=out_shape, grid=grid, in_specs=in_specs,
+            out_specs=out_specs, interpret=interpret,
+            compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1))
+
+    platform = traced_platform()
+    if platform is not None:
+        return call(platform != "gpu")
+    return lambda *args: jax.lax.platform_dependent(*args, cuda=call(False), default=call(True))
+
+
+def _row_tiles(n: int, d: int) -> tuple[int, int, int]:
+    """(rows per program, padded width, programs) for whole rows of width d."""
+    width = pl.next_power_of_2(d)
+    rows = max(1, TILE_ELEMENTS // width)
+    return rows, width, pl.cdiv(n, rows)
+
+
+def _per_shard(fn, n_in: int, n_whole: int, n_out: int):
+    """fn on each batch shard where the traced mesh splits the batch: its first n_in arguments and
+    every output split along their leading axis, the next n_whole (parameters) whole."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(a for a in BATCH_AXES if a in getattr(mesh, "axis_names", ()) and mesh.shape[a] > 1)
+    if not axes:
+        return fn
+    rows, whole = P(axes), P()
+    return jax.shard_map(fn, mesh=mesh, in_specs=(rows,) * n_in + (whole,) * n_whole,
+                         out_specs=(rows,) * n_out if n_out > 1 else rows, check_vma=False)
+
+
+def _ln_forward(x, delta, scale, bias, eps, dtype):
+    """(y, h, mean, rstd, programs) of x ([N, D]) or x + delta."""
+    n, d = x.shape
+    rows, width, programs = _row_tiles(n, d)
+    tile, vec, row = pl.BlockSpec((rows, width), lambda i: (i, 0)), pl.BlockSpec((width,), lambda i: (0,)), \
+        pl.BlockSpec((rows,), lambda i: (i,))
+    residual = delta is not None
+    out_shape = [jax.ShapeDtypeStruct((n, d), dtype)] + [jax.ShapeDtypeStruct((n, d), x.dtype)] * residual \
+        + [jax.ShapeDtypeStruct((n,), jnp.float32)] * 2
+    ins = [x, delta] if residual else [x]
+    outs = _call(_ln_fwd_kernel, out_shape, (programs,), [tile] * len(ins) + [vec, vec],
+                 [tile] * (1 + residual) + [row, row], n=n, d=d, eps=eps, residual=residual)(*ins, scale, bias)
+    y, h = outs[0], outs[1] if residual else x
+    return y, h, outs[-2], outs[-1]
+
+
+def _ln_backward(h, dy, dh, scale, mean, rstd):
+    """(dx, dscale, dbias): dx includes dh (the stream's gradient) when given."""
+    n, d = h.shape
+    rows, width, programs = _row_tiles(n, d)
+    tile, vec, row = pl.BlockSpec((rows, width), lambda i: (i, 0)), pl.BlockSpec((width,), lambda i: (0,)), \
+        pl.BlockSpec((rows,), lambda i: (i,))
+    part = pl.BlockSpec((1, width), lambda i: (i, 0))
+    residual = dh is not None
+    ins = [h, dy, dh] if residual else [h, dy]
+    out_shape = [jax.ShapeDtypeStruct((n, d), h.dtype)] + [jax.ShapeDtypeStruct((programs, d), jnp.float32)] * 2
+    dx, dscale, dbias = _call(_ln_bwd_kernel, out_shape, (programs,), [tile] * len(ins) + [vec, row, row],
+                              [tile, part, part], n=n, d=d, residual=residual)(*ins, scale, mean, rstd)
+    return dx, dscale, dbias
+
+
+def _rows(x):
+    return x.reshape(-1, x.shape[-1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float, dtype) -> jax.Array:
+    """transformer.layer_norm(x, scale, bias, eps).astype(dtype), one kernel each way."""
+    return _layer_norm_fwd(x, scale, bias, eps, dtype)[0]
+
+
+def _layer_norm_fwd(x, scale, bias, eps, dtype):
+    def fwd(x, scale, bias):
+        y, _, mean, rstd = _ln_forward(_rows(x), None, scale, bias, eps, dtype)
+        return y.reshape(x.shape), mean, rstd
+
+    y, mean, rstd = _per_shard(fwd, 1, 2, 3)(x, scale, bias)
+    return y, (x, mean, rstd, scale)
+
+
+def _layer_norm_bwd(eps, dtype, res, dy):
+    def bwd(x, dy, mean, rstd, scale):
+        dx, dscale, dbias = _ln_backward(_rows(x), _rows(dy), None, scale, mean, rstd)
+        return dx.reshape(x.shape), dscale, dbias
+
+    scale = res[-1]
+    dx, dscale, dbias = _per_shard(bwd, 4, 1, 3)(res[0], dy, *res[1:])
+    return dx, dscale.sum(0).astype(scale.dtype), dbias.sum(0).astype(scale.dtype)
+
+
+layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def add_layer_norm(x: jax.Array, delta: jax.Array, scale: jax.Array, bias: jax.Array, eps: float, dtype
+                   ) -> tuple[jax.Array, jax.Array]:
+    """(h, LayerNorm(h)) for h = x + delta (the residual stream after a branch, and the next
+    branch's normalised input), one kernel each way."""
+    return _add_layer_norm_fwd(x, delta, scale, bias, eps, dtype)[0]
+
+
+def _add_layer_norm_fwd(x, delta, scale, bias, eps, dtype):
+    def fwd(x, delta, scale, bias):
+        y, h, mean, rstd = _ln_forward(_rows(x), _rows(delta), scale, bias, eps, dtype)
+        return h.reshape(x.shape), y.reshape(x.shape), mean, rstd
+
+    h, y, mean, rstd = _per_shard(fwd, 2, 2, 4)(x, delta, scale, bias)
+    return (h, y), (h, mean, rstd, scale)
+
+
+def _add_layer_norm_bwd(eps, dtype, res, cotangents):
+    dh, dy = cotangents
+
+    def bwd(h, dy, dh, mean, rstd, scale):
+        dx, dscale, dbias = _ln_backward(_rows(h), _rows(dy), _rows(dh), scale, mean, rstd)
+        return dx.reshape(h.shape), dscale, dbias
+
+    h, mean, rstd, scale = res
+    dx, dscale, dbias = _per_shard(bwd, 5, 1, 3)(h, dy, dh, mean, rstd, scale)
+    return dx, dx, dscale.sum(0).astype(scale.dtype), dbias.sum(0).astype(scale.dtype)
+
+
+add_layer_norm.defvjp(_add_layer_norm_fwd, _add_layer_norm_bwd)
+
+
+def _act_tiles(n: int, d: int) -> tuple[int, int, tuple[int, int]]:
+    cols = min(COLUMNS, pl.next_power_of_2(d))
+    rows = max(1, TILE_ELEMENTS // cols)
+    return rows, cols, (pl.cdiv(n, rows), pl.cdiv(d, cols))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def bias_act(x: jax.Array, bias: jax.Array, act: str) -> jax.Array:
+    """transformer.gelu(x + bias, act) in x's dtype, one kernel each way (the backward also
+    gives the bias gradient's column sums)."""
+    return _bias_act_fwd(x, bias, act)[0]
+
+
+def _bias_act_fwd(x, bias, act):
+    def fwd(x, bias):
+        n, d = _rows(x).shape
+        rows, cols, grid = _act_tiles(n, d)
+        tile, vec = pl.BlockSpec((rows, cols), lambda i, j: (i, j)), pl.BlockSpec((cols,), lambda i, j: (j,))
+        y = _call(_bias_act_fwd_kernel, jax.ShapeDtypeStruct((n, d), x.dtype), grid, [tile, vec], tile,
+                  act=act)(_rows(x), bias)
+        return y.reshape(x.shape)
+
+    return _per_shard(fwd, 1, 1, 1)(x, bias), (x, bias)
+
+
+def _bias_act_bwd(act, res, dy):
+    def bwd(x, dy, bias):
+        n, d = _rows(x).shape
+        rows, cols, grid = _act_tiles(n, d)
+        tile, vec = pl.BlockSpec((rows, cols), lambda i, j: (i, j)), pl.BlockSpec((cols,), lambda i, j: (j,))
+        part = pl.BlockSpec((1, cols), lambda i, j: (i, j))
+        out_shape = (jax.ShapeDtypeStruct((n, d), x.dtype), jax.ShapeDtypeStruct((grid[0], d), jnp.float32))
+        dx, db = _call(_bias_act_bwd_kernel, out_shape, grid, [tile, vec, tile], (tile, part), n=n, d=d,
+                       act=act)(_rows(x), bias, _rows(dy))
+        return dx.reshape(x.shape), db
+
+    x, bias = res
+    dx, db = _per_shard(bwd, 2, 1, 2)(x, dy, bias)
+    return dx, db.sum(0).astype(bias.dtype)
+
+
+bias_act.defvjp(_bias_act_fwd, _bias_act_bwd)
