@@ -67,18 +67,24 @@ def set_field(config, assignment: str) -> None:
                 target[p] = ml_collections.ConfigDict()
             target = target[p]
         if leaf not in target:
-            try:
-                target[leaf] = json.loads(value)
-            except json.JSONDecodeError:
-                target[leaf] = value
+            target[leaf] = _json_or_text(value)
             return
     old = target[leaf]
-    if isinstance(old, (tuple, list)):  # e.g. mesh.shape=[1,-1,1]
+    if old is None:  # a None default (e.g. a speed lever left to the platform): typed by its value
+        target[leaf] = _json_or_text(value)
+    elif isinstance(old, (tuple, list)):  # e.g. mesh.shape=[1,-1,1]
         target[leaf] = tuple(json.loads(value))
     elif isinstance(old, bool):
         target[leaf] = value.lower() in ("1", "true", "yes")
     else:
         target[leaf] = type(old)(value)
+
+
+def _json_or_text(value: str):
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -93,13 +93,16 @@ class Runner:
         return min(plan_left, float("inf") if self.part_end is None else self.part_end - now)
 
     def run(self, name: str, argv: list[str], json_out: Path | None = None, xla_flags: str = "",
-            timeout: int | None = None) -> dict[str, Any]:
+            timeout: int | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
         """{"name", "command", "status": ok | failed | timeout | not run, "seconds", "result"
-        (the JSON the command wrote, even a partial one), "error"}."""
-        env = dict(self.env)
+        (the JSON the command wrote, even a partial one), "error"}. `env`: variables set for
+        this command (shown in its command)."""
+        extra = dict(env or {})
+        env = {**self.env, **extra}
         if xla_flags:  # added to whatever XLA_FLAGS the caller has (e.g. fake CPU devices)
             env["XLA_FLAGS"] = " ".join(f for f in (env.get("XLA_FLAGS", ""), xla_flags) if f)
-        record: dict[str, Any] = {"name": name, "command": self.display(argv, xla_flags)}
+        record: dict[str, Any] = {"name": name, "command": "".join(
+            f"{k}={shlex.quote(v)} " for k, v in extra.items()) + self.display(argv, xla_flags)}
         if self.left() < 15:  # nothing worth starting in the last seconds before the deadline
             return {**record, "status": "not run", "error": "the part's time or the --deadline was used up"}
         limit = min(timeout or self.timeout, self.left() - 5)

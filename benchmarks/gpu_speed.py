@@ -1,18 +1,19 @@
-"""The speed levers beside PyTorch on one GPU, in one command that fits a lent machine's call.
+"""The shipped GPU step, each speed lever alone and PyTorch, one process a row, on one GPU.
 
     python benchmarks/gpu_speed.py --out OUT [--deadline 520] [--only NAME ...] [--sizes 256 512] [--tiny]
 
-Every row is a process of its own, run one after another alone on the GPU, most wanted first:
-the baseline (the config as shipped) and all levers of LEVERS together at 256 samples per
-device, the PyTorch step of the same model and loss (`benchmarks/torch_step.py`,
-torch.compile), each lever alone, the levers that helped alone together (when that is not all of
-them); then the fastest JAX row at 256 is profiled, its compiled step loaded from the run's
-compile cache (`profile_breakdown.py` -> breakdown.txt); then the baseline, all levers and
-PyTorch at 512. Each JAX row is `benchmarks/benchmark_step.py` (train state, compile, a warm-up
-step, `--steps` timed steps); every process ends by `--deadline` (one that would start in its
-last 15 s is recorded as not run), and `--only` picks rows (by name, e.g. `--only flat_tokens
-cast_once`) for a second call. A JAX row is mostly its compile and the PyTorch row mostly its
-torch.compile warm-up, so a 9-minute call holds a handful of rows (docs/performance.md).
+Rows, most wanted first, at 256 samples per device: the step as shipped (`shipped`: the GPU's
+platform defaults, no flags) from an empty compile cache and again with the cache present (the
+cold and the warm first step after launch), the PyTorch step of the same model and loss
+(`benchmarks/torch_step.py`, torch.compile), the shipped step plus each lever not yet on by
+default, then every lever off (`no levers`) and each lever alone on top of that, and the levers
+that helped alone together (`best levers`, when that is not the shipped set); the fastest JAX
+row is profiled from the run's compile cache (`profile_breakdown.py` -> breakdown.txt); then the
+shipped step and PyTorch at 512. Each JAX row is `benchmarks/benchmark_step.py` (train state,
+compile, a warm-up step, `--steps` timed steps). Every process ends by `--deadline` (one that
+would start in its last 15 s is recorded as not run) and `--only` picks rows by name for a
+second call (`--only "no levers" flat_tokens fused_guard`). A JAX row is mostly its compile and
+the PyTorch row mostly its torch.compile warm-up, so a 9-minute call holds about eight rows.
 
 The rows run one after another because compiling every row at once first, side by side on the
 host's cores, was far slower than the compiles one at a time and left the PyTorch warm-ups short
@@ -30,35 +31,49 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from gpu_plan import REPO, XLA_LEVERS, Runner
+from gpu_plan import REPO, Runner
 
-# name -> (benchmark_step --set overrides, extra XLA_FLAGS). Each lever computes the same step
-# (tests/test_speed_levers.py); no_dot_merger stops XLA merging the full and the masked forward's
-# dots that share a weight by concatenating their activations; no_triton_gemm leaves every GEMM
-# to cuBLAS instead of autotuning Triton GEMMs beside it. What each removes and gave:
-# docs/performance.md, "Levers and defaults".
-LEVERS = {
-    "no_dot_merger": ((), XLA_LEVERS["xla:no_dot_merger"]),
-    "no_triton_gemm": ((), XLA_LEVERS["xla:no_triton_gemm"]),
-    "flat_tokens": (("model.flat_tokens=true",), ""),
-    "fused_guard": (("step.finite_guard=fused",), ""),
-    "cast_once": (("step.cast_params_once=true",), ""),
-    # Prepared from the GPU profile, not yet measured: models/transformer.py layer_norm.
-    "ln_saved_stats": (("model.ln_saved_stats=true",), ""),
+from prolip_jax.runtime import xla_flags
+
+# Each lever computes the same step (tests/test_speed_levers.py); what each removes:
+# docs/performance.md, "Levers and defaults". Config levers: name -> (--set on, --set off).
+CONFIG_LEVERS = {
+    "flat_tokens": ("model.flat_tokens=true", "model.flat_tokens=false"),
+    "fused_guard": ("step.finite_guard=fused", "step.finite_guard=per_leaf"),
+    "cast_once": ("step.cast_params_once=true", "step.cast_params_once=false"),
+    "ln_saved_stats": ("model.ln_saved_stats=true", "model.ln_saved_stats=false"),
+    "pallas_kernels": ("model.pallas_kernels=true", "model.pallas_kernels=false"),
 }
+# XLA levers: name -> the flag of xla_flags.GPU_FLAGS (set alone with the project's flags off).
+XLA_LEVERS = {"no_dot_merger": "xla_gpu_dot_merger_threshold_mb", "no_triton_gemm": "xla_gpu_enable_triton_gemm"}
+LEVERS = (*CONFIG_LEVERS, *XLA_LEVERS)
+# What a GPU run gets with no flags: the PLATFORM_DEFAULTS "gpu" entries of trainer.config.ModelOptions
+# and core.step.StepOptions, and xla_flags.GPU_FLAGS (tests/test_gpu_speed.py checks they agree).
+SHIPPED = ("flat_tokens", "fused_guard", "cast_once", "no_dot_merger", "no_triton_gemm")
+PYTORCH = "PyTorch (torch.compile)"
+
+
+def lever_row(name: str, batch: int, on: tuple[str, ...]) -> dict:
+    """A row with exactly the levers `on`: every other config lever set off, the project's XLA
+    flags off (xla_flags.OFF_ENV) but those of `on`."""
+    sets = tuple(CONFIG_LEVERS[n][0 if n in on else 1] for n in CONFIG_LEVERS)
+    xla = " ".join(f"--{XLA_LEVERS[n]}={xla_flags.GPU_FLAGS[XLA_LEVERS[n]]}" for n in XLA_LEVERS if n in on)
+    return dict(name=name, batch=batch, sets=sets, xla=xla, env={xla_flags.OFF_ENV: "1"}, levers=on)
+
+
+def shipped_row(batch: int, name: str = "shipped", plus: tuple[str, ...] = ()) -> dict:
+    """The step as a GPU run gets it with no flags, plus config levers `plus`."""
+    return dict(name=name, batch=batch, sets=tuple(CONFIG_LEVERS[n][0] for n in plus), xla="", env={},
+                levers=SHIPPED + plus)
 
 
 def variants(sizes: tuple[int, ...]) -> list[dict]:
-    """The JAX rows in the order phase 2 times them (most wanted first, in case time runs out)."""
-    all_sets = tuple(s for sets, _ in LEVERS.values() for s in sets)
-    all_flags = " ".join(f for _, f in LEVERS.values() if f)
+    """The JAX rows in the order they are timed (most wanted first, in case time runs out)."""
     first, *others = sizes
-    rows = [dict(name="baseline", batch=first, sets=(), xla=""),
-            dict(name="all levers", batch=first, sets=all_sets, xla=all_flags)]
-    rows += [dict(name=name, batch=first, sets=sets, xla=xla) for name, (sets, xla) in LEVERS.items()]
-    for b in others:
-        rows += [dict(name="baseline", batch=b, sets=(), xla=""),
-                 dict(name="all levers", batch=b, sets=all_sets, xla=all_flags)]
+    rows = [shipped_row(first), shipped_row(first, "shipped, warm cache")]
+    rows += [shipped_row(first, f"shipped + {n}", (n,)) for n in CONFIG_LEVERS if n not in SHIPPED]
+    rows += [lever_row("no levers", first, ())] + [lever_row(n, first, (n,)) for n in LEVERS]
+    rows += [shipped_row(b) for b in others]
     return rows
 
 
@@ -77,17 +92,16 @@ def torch_argv(config: str, batch: int, steps: int, compile_: bool, json_path: P
 
 
 def best_row(timed: list[dict], batch: int, margin: float = 0.01) -> dict | None:
-    """The levers that were more than `margin` faster alone than the baseline at `batch`, as one
-    row ("best levers"), or None when none was (or the baseline did not run)."""
+    """The levers that were more than `margin` faster alone than `no levers` at `batch`, as one
+    row ("best levers"); None when none was, no `no levers` row ran, or they are the shipped set."""
     sps = {t["variant"]: t["result"]["samples_per_s_per_device"] for t in timed
            if t["status"] == "ok" and t["per_device_batch"] == batch and t.get("result")}
-    if "baseline" not in sps:
+    if "no levers" not in sps:
         return None
-    helped = [name for name in LEVERS if sps.get(name, 0) > (1 + margin) * sps["baseline"]]
-    if not helped:
+    helped = tuple(name for name in LEVERS if sps.get(name, 0) > (1 + margin) * sps["no levers"])
+    if not helped or set(helped) == set(SHIPPED):
         return None
-    return dict(name="best levers", batch=batch, sets=tuple(s for n in helped for s in LEVERS[n][0]),
-                xla=" ".join(LEVERS[n][1] for n in helped if LEVERS[n][1]), levers=helped)
+    return lever_row("best levers", batch, helped)
 
 
 def label(row: dict) -> str:
@@ -103,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", type=int, nargs="+", default=[256, 512], metavar="PER_DEVICE_BATCH",
                    help="per-device batches, the first one's rows (and profile) first")
     p.add_argument("--only", nargs="+", default=None, metavar="NAME",
-                   help="rows to run: baseline, all levers, PyTorch, a lever's name (every size)")
+                   help="rows to run by name: shipped, \"no levers\", PyTorch, a lever's name, ... (every size)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -117,8 +131,9 @@ def main(argv: list[str] | None = None) -> None:
                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
                  TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"))
     rows = variants(sizes)
-    results: dict = {"config": config, "steps": steps, "levers": {k: {"set": list(v[0]), "xla_flags": v[1]}
-                                                                  for k, v in LEVERS.items()}}
+    results: dict = {"config": config, "steps": steps, "shipped": list(SHIPPED),
+                     "levers": {**{k: {"set": v[0]} for k, v in CONFIG_LEVERS.items()},
+                                **{k: {"xla_flags": f"--{v}={xla_flags.GPU_FLAGS[v]}"} for k, v in XLA_LEVERS.items()}}}
 
     # ---- every row, one at a time -------------------------------------------------------------
     timed = []
@@ -126,10 +141,10 @@ def main(argv: list[str] | None = None) -> None:
     order += [("torch", b) for b in sizes[1:]]
     if args.only:
         names = {n.lower() for n in args.only}
-        known = {"baseline", "all levers", "pytorch", *LEVERS}
+        known = {row["name"].lower() for row in rows} | {"pytorch"}
         if names - known:
             p.error(f"--only: unknown row(s) {sorted(names - known)}; choose from {sorted(known)}")
-        order = [(k, w) for k, w in order if (w["name"] if k == "jax" else "pytorch") in names]
+        order = [(k, w) for k, w in order if (w["name"].lower() if k == "jax" else "pytorch") in names]
     last_lever = max((k for k, (kind, w) in enumerate(order) if kind == "jax" and w["name"] in LEVERS), default=None)
     first_size_done = max((k for k, (kind, w) in enumerate(order)
                            if (w["batch"] if kind == "jax" else w) == sizes[0]), default=-1)
@@ -138,17 +153,17 @@ def main(argv: list[str] | None = None) -> None:
         kind, what = order[i]
         j = tmp / f"t{i}.json"
         if kind == "jax":
-            rec = r.run(label(what), step_argv(config, what, steps, j), j, xla_flags=what["xla"])
-            rec.update(variant=what["name"], per_device_batch=what["batch"])
+            rec = r.run(label(what), step_argv(config, what, steps, j), j, xla_flags=what["xla"], env=what["env"])
+            rec.update(variant=what["name"], per_device_batch=what["batch"], levers=list(what["levers"]))
         else:
             rec = r.run(f"PyTorch @{what}", torch_argv(config, what, steps, not args.tiny, j), j)
-            rec.update(variant="PyTorch (torch.compile)", per_device_batch=what)
+            rec.update(variant=PYTORCH, per_device_batch=what)
         timed.append(rec)
         results["timed"] = timed
         write(out, results)
         if i == last_lever:  # every lever measured alone: the ones that helped, together
             best = best_row(timed, sizes[0])
-            if best is not None and (set(best["sets"]), best["xla"]) != (set(rows[1]["sets"]), rows[1]["xla"]):
+            if best is not None:
                 order.insert(i + 1, ("jax", best))
                 rows.append(best)
                 first_size_done += 1
@@ -162,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
 def profile(r: Runner, config: str, rows: list[dict], timed: list[dict], size: int, out: Path,
             results: dict) -> None:
     """The fastest JAX row at `size`, profiled: its compiled step comes from the run's compile cache."""
-    ok = [t for t in timed if t["status"] == "ok" and t["variant"] != "PyTorch (torch.compile)"
+    ok = [t for t in timed if t["status"] == "ok" and t["variant"] != PYTORCH
           and t["per_device_batch"] == size]
     if not ok:
         return
@@ -170,7 +185,7 @@ def profile(r: Runner, config: str, rows: list[dict], timed: list[dict], size: i
     row = next(x for x in rows if label(x) == best["name"])
     prof, j = r.tmp / "profile", r.tmp / "profile.json"
     rec = r.run(f"profile: {best['name']}", step_argv(config, row, 2, j, "--profile", str(prof),
-                                                      "--profile-steps", "3"), j, xla_flags=row["xla"])
+                                                      "--profile-steps", "3"), j, xla_flags=row["xla"], env=row["env"])
     results["profile"] = {"variant": best["name"], **rec}
     if rec["status"] == "ok" and prof.exists():
         with tarfile.open(out / "profile.tar.gz", "w:gz") as tar:
@@ -187,23 +202,23 @@ def write(out: Path, results: dict) -> None:
 
 
 def report(results: dict) -> str:
-    """The table of docs/performance.md: one row per timed process, ratios to the baseline and to
-    PyTorch at the same per-device batch."""
+    """The table of docs/performance.md: one row per timed process, ratios to the shipped step
+    and to PyTorch at the same per-device batch."""
     timed = results.get("timed", [])
     ref = {}
     for t in timed:
-        if t["status"] == "ok" and t["variant"] in ("baseline", "PyTorch (torch.compile)"):
+        if t["status"] == "ok" and t["variant"] in ("shipped", PYTORCH):
             ref[(t["variant"], t["per_device_batch"])] = t["result"]["samples_per_s_per_device"]
     lines = [f"config `{results['config']}`, {results['steps']} timed steps, every row a process of its own, "
              "one after another on the same GPU", "",
-             "| step | per-device batch | samples/s per device | MFU | vs baseline | vs PyTorch | step (ms) | "
+             "| step | per-device batch | samples/s per device | MFU | vs shipped | vs PyTorch | step (ms) | "
              "compile (s) | train state (s) | first step after launch (s) | status |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in timed:
         res, b = t.get("result") or {}, t["per_device_batch"]
         sps = res.get("samples_per_s_per_device")
         fmt = lambda x, f: "—" if x is None else f.format(x)  # noqa: E731
-        base, torch_ = ref.get(("baseline", b)), ref.get(("PyTorch (torch.compile)", b))
+        base, torch_ = ref.get(("shipped", b)), ref.get((PYTORCH, b))
         lines.append(" | ".join([
             f"| {t['variant']}", str(b), fmt(sps, "{:.0f}"), fmt(res.get("mfu") and 100 * res["mfu"], "{:.1f}%"),
             fmt(sps and base and sps / base, "{:.3f}x"), fmt(sps and torch_ and sps / torch_, "{:.3f}x"),

@@ -3,8 +3,8 @@ XLA path they replace, forward and backward, in Pallas's interpreter on the CPU:
 (transformer.layer_norm), the residual add + LayerNorm of a block's ln_2, and the MLP's bias +
 activation (transformer.gelu), for every activation. Float32, to float32 rounding (relative
 2e-6 of the largest value: sums over a row in another order). Shapes whose rows and width do not
-fill the last tile, and tiles made small so several programs (and column blocks) share a row
-or a column. The kernels lower to Triton for CUDA (an export, no GPU needed) and run per shard
+fill the last tile, and tiles made small so that several programs (and column blocks) share the
+rows and the columns. The kernels lower to Triton for CUDA (an export, no GPU needed) and run per shard
 under a batch-splitting mesh."""
 from __future__ import annotations
 
@@ -44,15 +44,21 @@ def kernel_ln(x, scale, bias):
     return kernels.layer_norm(x, scale, bias, EPS, jnp.float32)
 
 
-@pytest.fixture(params=[(8192, "one tile of rows"), (256, "tiles of a few rows")])
-def tile(request, monkeypatch):
-    monkeypatch.setattr(kernels, "TILE_ELEMENTS", request.param[0])
-    monkeypatch.setattr(kernels, "COLUMNS", 64 if request.param[0] == 256 else 1024)
-    return request.param
+# (TILE_ELEMENTS, COLUMNS, rows' leading shape, width): one program with a padded width; tiles of
+# 4 rows of 256 (18 programs, the last one overhanging) and bias_act's 64-column blocks.
+SIZES = [(8192, 1024, (3, 7), 40), (1024, 64, (70,), 200)]
 
 
-@pytest.mark.parametrize("shape,d", [((3, 7), 40), ((70,), 200)])
-def test_layer_norm(tile, shape, d):
+@pytest.fixture(params=SIZES, ids=["one tile", "many tiles"])
+def size(request, monkeypatch):
+    tile, columns, shape, d = request.param
+    monkeypatch.setattr(kernels, "TILE_ELEMENTS", tile)
+    monkeypatch.setattr(kernels, "COLUMNS", columns)
+    return shape, d
+
+
+def test_layer_norm(size):
+    shape, d = size
     x, _, scale, bias, ct, _ = arrays(shape, d)
     close(kernel_ln(x, scale, bias), reference_ln(x, scale, bias))
     want = jax.grad(lambda *a: jnp.sum(reference_ln(*a) * ct), argnums=(0, 1, 2))(x, scale, bias)
@@ -61,8 +67,8 @@ def test_layer_norm(tile, shape, d):
         close(g, w)
 
 
-@pytest.mark.parametrize("shape,d", [((3, 7), 40), ((70,), 200)])
-def test_residual_add_and_layer_norm(tile, shape, d):
+def test_residual_add_and_layer_norm(size):
+    shape, d = size
     x, delta, scale, bias, ct, ct2 = arrays(shape, d, seed=1)
 
     def reference(x, delta, scale, bias):
@@ -85,7 +91,9 @@ def test_residual_add_and_layer_norm(tile, shape, d):
 
 
 @pytest.mark.parametrize("act", T.ACTIVATIONS)
-def test_bias_and_activation(tile, act):
+def test_bias_and_activation(monkeypatch, act):
+    monkeypatch.setattr(kernels, "TILE_ELEMENTS", 1024)
+    monkeypatch.setattr(kernels, "COLUMNS", 64)  # 16 rows x 64 columns: 3 x 4 programs, both overhanging
     x, _, _, bias, ct, _ = arrays((5, 9), 200, seed=2)
 
     def reference(x, bias):

@@ -28,11 +28,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jax.sharding import PartitionSpec as P
 
+from prolip_jax.core.sharding import BATCH_AXES
+
 # Elements in one program's tile of rows: rows = this / the padded width (8 rows of 768 -> 1024).
 TILE_ELEMENTS = 8192
 COLUMNS = 1024  # bias_act's programs also split the width (an MLP's 3072 or 4096)
 NUM_WARPS = 4
-BATCH_AXES = ("data", "fsdp")  # sharding.BATCH_AXES: the mesh axes that split a batch's rows
 
 
 def traced_platform() -> str | None:
@@ -85,11 +86,24 @@ def activation_grad(z: jax.Array, act: str) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------ kernels
-def _inside(shape: tuple[int, int], n: int, d: int, col_block: int = 0) -> jax.Array:
-    """The tile's elements inside the [n, d] array (the last row block and the padded width are not)."""
-    rows = pl.program_id(0) * shape[0] + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-    cols = col_block * shape[1] + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-    return (rows < n) & (cols < d)
+# A program's refs are blocks of a power-of-two shape over arrays that they may overhang (the last
+# block of rows, the padded width). Every access is masked: Triton computes the overhang's
+# addresses from the array's strides (a padded row's tail is the next row's head), and Pallas's
+# interpreter fills it with NaN.
+def _masks(shape: tuple[int, int], n: int, d: int, col_block=0):
+    """(tile, rows, cols) masks of a (rows, width) block: inside the [n, d] array."""
+    rows = pl.program_id(0) * shape[0] + jax.lax.broadcasted_iota(jnp.int32, (shape[0],), 0) < n
+    cols = col_block * shape[1] + jax.lax.broadcasted_iota(jnp.int32, (shape[1],), 0) < d
+    return rows[:, None] & cols[None, :], rows, cols
+
+
+def _load(ref, mask) -> jax.Array:
+    """The block as float32, 0 where `mask` is False."""
+    return plt.load(ref, mask=mask, other=0).astype(jnp.float32)
+
+
+def _store(ref, value: jax.Array, mask) -> None:
+    plt.store(ref, value.astype(ref.dtype), mask=mask)
 
 
 def _ln_fwd_kernel(*refs, n, d, eps, residual):
@@ -97,19 +111,19 @@ def _ln_fwd_kernel(*refs, n, d, eps, residual):
         x_ref, delta_ref, scale_ref, bias_ref, y_ref, h_ref, mean_ref, rstd_ref = refs
     else:
         x_ref, scale_ref, bias_ref, y_ref, mean_ref, rstd_ref = refs
-    inside = _inside(x_ref.shape, n, d)
-    h = x_ref[...]
+    inside, rows, cols = _masks(x_ref.shape, n, d)
+    h = _load(x_ref, inside)
     if residual:  # the residual stream, rounded to its dtype as `x + delta` is, then normalised
-        h = (h.astype(jnp.float32) + delta_ref[...].astype(jnp.float32)).astype(h_ref.dtype)
-        h_ref[...] = h
-    h = jnp.where(inside, h.astype(jnp.float32), 0.0)
+        h = (h + _load(delta_ref, inside)).astype(h_ref.dtype)
+        _store(h_ref, h, inside)
+        h = h.astype(jnp.float32)
     mean = jnp.sum(h, axis=1) / d
     centred = jnp.where(inside, h - mean[:, None], 0.0)
     rstd = jax.lax.rsqrt(jnp.sum(centred * centred, axis=1) / d + eps)
-    y = centred * rstd[:, None] * scale_ref[...].astype(jnp.float32)[None, :] + bias_ref[...].astype(jnp.float32)[None, :]
-    y_ref[...] = y.astype(y_ref.dtype)
-    mean_ref[...] = mean
-    rstd_ref[...] = rstd
+    y = centred * rstd[:, None] * _load(scale_ref, cols)[None, :] + _load(bias_ref, cols)[None, :]
+    _store(y_ref, y, inside)
+    _store(mean_ref, mean, rows)
+    _store(rstd_ref, rstd, rows)
 
 
 def _ln_bwd_kernel(*refs, n, d, residual):
@@ -117,33 +131,34 @@ def _ln_bwd_kernel(*refs, n, d, residual):
         h_ref, dy_ref, dh_ref, scale_ref, mean_ref, rstd_ref, dx_ref, dscale_ref, dbias_ref = refs
     else:
         h_ref, dy_ref, scale_ref, mean_ref, rstd_ref, dx_ref, dscale_ref, dbias_ref = refs
-    inside = _inside(h_ref.shape, n, d)
-    mean, rstd = mean_ref[...], rstd_ref[...]
-    xhat = jnp.where(inside, (h_ref[...].astype(jnp.float32) - mean[:, None]) * rstd[:, None], 0.0)
-    dy = jnp.where(inside, dy_ref[...].astype(jnp.float32), 0.0)
-    g = jnp.where(inside, dy * scale_ref[...].astype(jnp.float32)[None, :], 0.0)  # the padding's scale is not 0
+    inside, rows, cols = _masks(h_ref.shape, n, d)
+    mean, rstd = _load(mean_ref, rows), _load(rstd_ref, rows)
+    xhat = jnp.where(inside, (_load(h_ref, inside) - mean[:, None]) * rstd[:, None], 0.0)
+    dy = _load(dy_ref, inside)
+    g = dy * _load(scale_ref, cols)[None, :]
     # The closed form of transformer._layer_norm_bwd: two row means of the scaled gradient.
     mean_g = jnp.sum(g, axis=1) / d
     mean_gx = jnp.sum(g * xhat, axis=1) / d
     dx = rstd[:, None] * (g - mean_g[:, None] - xhat * mean_gx[:, None])
     if residual:  # the stream's own gradient passes through the add
-        dx = dx + dh_ref[...].astype(jnp.float32)
-    dx_ref[...] = dx.astype(dx_ref.dtype)
-    dscale_ref[...] = jnp.sum(dy * xhat, axis=0)[None, :]
-    dbias_ref[...] = jnp.sum(dy, axis=0)[None, :]
+        dx = dx + _load(dh_ref, inside)
+    _store(dx_ref, dx, inside)
+    _store(dscale_ref, jnp.sum(dy * xhat, axis=0)[None, :], cols[None, :])
+    _store(dbias_ref, jnp.sum(dy, axis=0)[None, :], cols[None, :])
 
 
-def _bias_act_fwd_kernel(x_ref, b_ref, y_ref, *, act):
-    z = x_ref[...].astype(jnp.float32) + b_ref[...].astype(jnp.float32)[None, :]
-    y_ref[...] = activation(z, act).astype(y_ref.dtype)
+def _bias_act_fwd_kernel(x_ref, b_ref, y_ref, *, n, d, act):
+    inside, _, cols = _masks(x_ref.shape, n, d, pl.program_id(1))
+    z = _load(x_ref, inside) + _load(b_ref, cols)[None, :]
+    _store(y_ref, activation(z, act), inside)
 
 
 def _bias_act_bwd_kernel(x_ref, b_ref, dy_ref, dx_ref, db_ref, *, n, d, act):
-    inside = _inside(x_ref.shape, n, d, pl.program_id(1))
-    z = x_ref[...].astype(jnp.float32) + b_ref[...].astype(jnp.float32)[None, :]
-    dz = jnp.where(inside, dy_ref[...].astype(jnp.float32) * activation_grad(z, act), 0.0)
-    dx_ref[...] = dz.astype(dx_ref.dtype)
-    db_ref[...] = jnp.sum(dz, axis=0)[None, :]
+    inside, _, cols = _masks(x_ref.shape, n, d, pl.program_id(1))
+    z = _load(x_ref, inside) + _load(b_ref, cols)[None, :]
+    dz = _load(dy_ref, inside) * activation_grad(z, act)  # 0 outside: dy is
+    _store(dx_ref, dz, inside)
+    _store(db_ref, jnp.sum(dz, axis=0)[None, :], cols[None, :])
 
 
 # ------------------------------------------------------------------------------ calls
@@ -294,7 +309,7 @@ def _bias_act_fwd(x, bias, act):
         rows, cols, grid = _act_tiles(n, d)
         tile, vec = pl.BlockSpec((rows, cols), lambda i, j: (i, j)), pl.BlockSpec((cols,), lambda i, j: (j,))
         y = _call(_bias_act_fwd_kernel, jax.ShapeDtypeStruct((n, d), x.dtype), grid, [tile, vec], tile,
-                  act=act)(_rows(x), bias)
+                  n=n, d=d, act=act)(_rows(x), bias)
         return y.reshape(x.shape)
 
     return _per_shard(fwd, 1, 1, 1)(x, bias), (x, bias)
