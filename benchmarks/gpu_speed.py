@@ -43,6 +43,9 @@ CONFIG_LEVERS = {
     "cast_once": ("step.cast_params_once=true", "step.cast_params_once=false"),
     "ln_saved_stats": ("model.ln_saved_stats=true", "model.ln_saved_stats=false"),
     "pallas_kernels": ("model.pallas_kernels=true", "model.pallas_kernels=false"),
+    # Not a GPU default: the same numbers, a 4x faster compile on the CPU (the cold first step's
+    # target), a slower CPU step (docs/performance.md, "Scanned blocks").
+    "scan_layers": ("model.scan_layers=true", "model.scan_layers=false"),
 }
 # XLA levers: name -> the flag of xla_flags.GPU_FLAGS (set alone with the project's flags off).
 XLA_LEVERS = {"no_dot_merger": "xla_gpu_dot_merger_threshold_mb", "no_triton_gemm": "xla_gpu_enable_triton_gemm"}

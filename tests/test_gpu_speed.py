@@ -20,10 +20,11 @@ from benchmark_step import set_field  # noqa: E402
 def test_rows_most_wanted_first():
     rows = gpu_speed.variants((256, 512))
     assert [(r["name"], r["batch"]) for r in rows[:2]] == [("shipped", 256), ("shipped, warm cache", 256)]
-    assert [r["name"] for r in rows[2:5]] == ["shipped + ln_saved_stats", "shipped + pallas_kernels", "no levers"]
+    assert [r["name"] for r in rows[2:6]] == ["shipped + ln_saved_stats", "shipped + pallas_kernels",
+                                              "shipped + scan_layers", "no levers"]
     assert {r["name"] for r in rows if r["batch"] == 256} >= {"no levers", *gpu_speed.LEVERS}
     assert [(r["name"], r["batch"]) for r in rows if r["batch"] == 512] == [("shipped", 512)]
-    shipped, none = rows[0], rows[4]
+    shipped, none = rows[0], rows[5]
     assert shipped["sets"] == () and shipped["xla"] == "" and shipped["env"] == {}  # no flags: what a user gets
     assert none["env"] == {xla_flags.OFF_ENV: "1"} and none["xla"] == ""
     assert set(none["sets"]) == {off for _, off in gpu_speed.CONFIG_LEVERS.values()}
