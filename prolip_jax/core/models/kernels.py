@@ -176,11 +176,14 @@ def _call(kernel, out_shape, grid, in_specs, out_specs, **static):
     return lambda *args: jax.lax.platform_dependent(*args, cuda=call(False), default=call(True))
 
 
-def _row_tiles(n: int, d: int) -> tuple[int, int, int]:
-    """(rows per program, padded width, programs) for whole rows of width d."""
+def _row_tiles(n: int, d: int):
+    """(programs, padded width, block specs) for whole rows of width d: a tile of rows, a
+    parameter vector, a per-row vector (the statistics), a row of column sums per program."""
     width = pl.next_power_of_2(d)
     rows = max(1, TILE_ELEMENTS // width)
-    return rows, width, pl.cdiv(n, rows)
+    specs = (pl.BlockSpec((rows, width), lambda i: (i, 0)), pl.BlockSpec((width,), lambda i: (0,)),
+             pl.BlockSpec((rows,), lambda i: (i,)), pl.BlockSpec((1, width), lambda i: (i, 0)))
+    return pl.cdiv(n, rows), specs
 
 
 def _per_shard(fn, n_in: int, n_whole: int, n_out: int):
@@ -196,11 +199,9 @@ def _per_shard(fn, n_in: int, n_whole: int, n_out: int):
 
 
 def _ln_forward(x, delta, scale, bias, eps, dtype):
-    """(y, h, mean, rstd, programs) of x ([N, D]) or x + delta."""
+    """(y, h, mean, rstd) of h = x ([N, D]) or x + delta."""
     n, d = x.shape
-    rows, width, programs = _row_tiles(n, d)
-    tile, vec, row = pl.BlockSpec((rows, width), lambda i: (i, 0)), pl.BlockSpec((width,), lambda i: (0,)), \
-        pl.BlockSpec((rows,), lambda i: (i,))
+    programs, (tile, vec, row, _) = _row_tiles(n, d)
     residual = delta is not None
     out_shape = [jax.ShapeDtypeStruct((n, d), dtype)] + [jax.ShapeDtypeStruct((n, d), x.dtype)] * residual \
         + [jax.ShapeDtypeStruct((n,), jnp.float32)] * 2
@@ -214,10 +215,7 @@ def _ln_forward(x, delta, scale, bias, eps, dtype):
 def _ln_backward(h, dy, dh, scale, mean, rstd):
     """(dx, dscale, dbias): dx includes dh (the stream's gradient) when given."""
     n, d = h.shape
-    rows, width, programs = _row_tiles(n, d)
-    tile, vec, row = pl.BlockSpec((rows, width), lambda i: (i, 0)), pl.BlockSpec((width,), lambda i: (0,)), \
-        pl.BlockSpec((rows,), lambda i: (i,))
-    part = pl.BlockSpec((1, width), lambda i: (i, 0))
+    programs, (tile, vec, row, part) = _row_tiles(n, d)
     residual = dh is not None
     ins = [h, dy, dh] if residual else [h, dy]
     out_shape = [jax.ShapeDtypeStruct((n, d), h.dtype)] + [jax.ShapeDtypeStruct((programs, d), jnp.float32)] * 2
