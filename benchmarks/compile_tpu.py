@@ -232,10 +232,11 @@ def build_step(config: Any, devices: list[Any], mcfg: Any = None, constraints: b
     batch = {"image": jax.ShapeDtypeStruct((b, s, s, 3), image_dtype, sharding=sharding.batch_sharding(mesh, 4)),
              "text": jax.ShapeDtypeStruct((b, length), jnp.int32, sharding=sharding.batch_sharding(mesh, 2))}
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(param_shapes))
-    model_flops = flops_lib.train_step_flops(mcfg, b, image_keep_ratio=config.masking.image_keep_ratio,
-                                             num_masked=step_lib.num_masked_rows(b, scfg))
+    counted = dict(image_keep_ratio=config.masking.image_keep_ratio, num_masked=step_lib.num_masked_rows(b, scfg))
+    model_flops = flops_lib.train_step_flops(mcfg, b, **counted)
     facts = {"mesh": dict(mesh.shape), "rules": config.sharding_rules, "params": n_params,
-             "model_flops": model_flops, "dtype": config.model.dtype}
+             "model_flops": model_flops, "dtype": config.model.dtype,
+             "recompute_flops": flops_lib.recompute_flops(mcfg, b, config.model.remat, **counted)}
     return jitted, (state, batch), facts
 
 
@@ -370,7 +371,8 @@ def compile_report(config: Any, topology: str | Topology, label: str = "", extra
               "per_chip_batch": config.batch_size / topo.total_chips, "remat": config.model.remat,
               "scan_layers": bool(config.model.get("scan_layers", False)),
               "ppcl_impl": config.loss.get("ppcl_impl", ""), "how": how, "depth": full, **facts,
-              "model_flops_per_chip": facts["model_flops"] / topo.total_chips, **measured}
+              "model_flops_per_chip": facts["model_flops"] / topo.total_chips,
+              "recompute_flops_per_chip": facts["recompute_flops"] / topo.total_chips, **measured}
     if "compiled_flops_per_chip" in report:
         report["flops_ratio"] = report["compiled_flops_per_chip"] / report["model_flops_per_chip"]
         report.update(estimate_step(report, topo))
@@ -383,13 +385,15 @@ def estimate_step(r: dict[str, Any], topo: Topology) -> dict[str, Any]:
     compute and memory traffic overlapped perfectly), plus what each slice sends over DCN at the
     slice's DCN bandwidth (chips x the per-chip rate, not overlapped: an upper side). Rates:
     `CHIPS`. XLA's cost analysis counts a loop's body once, so for scanned towers the FLOPs are
-    flops.py's model count and the HBM bytes are scaled by the same factor (the blocks' bytes
-    taken to grow as their FLOPs do)."""
+    flops.py's model count plus what the remat policy computes again (`flops.recompute_flops`),
+    and the HBM bytes are scaled by the same factor (the blocks' bytes taken to grow as their
+    FLOPs do)."""
     chip = CHIPS[topo.generation]
     flops, hbm = r["compiled_flops_per_chip"], r["hbm_bytes_per_chip"]
-    if r.get("scan_layers") and flops < r["model_flops_per_chip"]:
-        hbm *= r["model_flops_per_chip"] / flops
-        flops = r["model_flops_per_chip"]
+    counted = r["model_flops_per_chip"] + r.get("recompute_flops_per_chip", 0.0)
+    if r.get("scan_layers") and flops < counted:
+        hbm *= counted / flops
+        flops = counted
     compute_s = flops / (chip.bf16_tflops * 1e12)
     memory_s = hbm / (chip.hbm_gb_s * 1e9)
     out = {"compute_s": compute_s, "memory_s": memory_s, "dcn_s": 0.0, "est_hbm_bytes_per_chip": hbm}
@@ -442,7 +446,8 @@ def describe(r: dict[str, Any]) -> str:
                      f"code {_gib(r['code_bytes'])} GiB -> total {_gib(r['total_bytes'])} of {r['hbm_gib']:g} GiB HBM: "
                      f"{'fits' if r['fits'] else 'DOES NOT FIT'}")
         lines.append(f"FLOPs per chip: compiled {r['compiled_flops_per_chip'] / 1e12:.2f} TFLOP, flops.py "
-                     f"{r['model_flops_per_chip'] / 1e12:.2f} TFLOP (ratio {r['flops_ratio']:.3f})")
+                     f"{r['model_flops_per_chip'] / 1e12:.2f} TFLOP (ratio {r['flops_ratio']:.3f}), remat "
+                     f"{r['remat']} computes {r['recompute_flops_per_chip'] / 1e12:.2f} TFLOP again")
         chip = CHIPS[r["generation"]]
         lines.append(f"estimated step (not measured): {r['step_s']:.3f} s = max(compute {r['compute_s']:.3f} s at "
                      f"{chip.bf16_tflops:g} TFLOP/s, HBM {r['est_hbm_bytes_per_chip'] / 1e9:.1f} GB in "

@@ -64,6 +64,10 @@ def test_multislice_topologies_and_the_step_estimate():
     # Scanned towers: XLA counts the loop body once; the model's FLOPs, bytes scaled alike.
     e = ct.estimate_step({**r, "scan_layers": True, "compiled_flops_per_chip": 459e12 * 0.05}, t)
     assert e["compute_s"] == pytest.approx(0.5) and e["memory_s"] == pytest.approx(2.0)
+    # ... plus what the remat policy computes again (flops.recompute_flops), bytes scaled alike.
+    e = ct.estimate_step({**r, "scan_layers": True, "compiled_flops_per_chip": 459e12 * 0.05,
+                          "recompute_flops_per_chip": 459e12 * 0.1}, t)
+    assert e["compute_s"] == pytest.approx(0.6) and e["memory_s"] == pytest.approx(2.4)
     cfg = ct.load_config(str(ROOT / "configs" / "tiny.py"), [])
     assert tuple(ct.for_topology(cfg, t).mesh.dcn_shape) == (2, 1, 1) and not cfg.mesh.get("dcn_shape")
 

@@ -149,6 +149,27 @@ def test_train_step_matches_gradient_matmuls(tiny):
     assert counted == flops.train_step_flops(cfg, b, num_masked=m) - patch(b) - patch(m)
 
 
+@pytest.mark.parametrize("remat", ["full", "dots_no_batch", "dots"])
+def test_recomputed_matmuls_of_each_remat_policy(tiny, remat):
+    """What a remat policy adds to the gradient's matmuls (the forward's part it computes again in
+    the backward) is recompute_flops: exactly the jaxpr's count above the unrematerialised one."""
+    cfg, _, params = tiny
+    b, m = 8, 2
+    images, tokens = dummy_inputs(cfg, batch=b)
+    keep = random_keep_indices(jax.random.key(0), cfg.vision.num_patches, 0.75)
+
+    def counted(model):
+        def loss_fn(p):
+            out = model.apply({"params": p}, images, tokens)
+            masked = model.apply({"params": p}, images[:m], tokens[:m], keep)
+            return prolip_loss(out, masked, config=Config())[0]
+        return _dot_flops(jax.make_jaxpr(jax.value_and_grad(loss_fn))(params).jaxpr)
+
+    extra = counted(ProLIP(cfg, attention_impl="xla", remat=remat)) - counted(ProLIP(cfg, attention_impl="xla"))
+    assert extra == flops.recompute_flops(cfg, b, remat, num_masked=m)
+    assert (extra > 0) == (remat != "dots")
+
+
 def test_train_step_flops_with_a_locked_tower(tiny):
     """With the image tower locked (`optim.locked=("^visual/",)`, the step differentiates only
     the rest) the image tower and its patch embedding run forward only, and the PPCL logits

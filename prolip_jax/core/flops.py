@@ -157,6 +157,44 @@ def train_step_flops(config: ProLIPConfig, global_batch: int, masked_fraction: f
     return total + logit_times * 2.0 * global_batch * global_batch * config.embed_dim
 
 
+# The share of each block matmul (block_flops' components) a remat policy (models/transformer.py
+# REMAT_POLICIES) runs a second time in the backward: "dots_no_batch" saves the dots without batch
+# dimensions and recomputes the attention's per-example dots; "full" saves nothing, yet the
+# backward never needs the output of the block's last matmul (c_proj: only its input and weight,
+# the block's output is the next block's saved input), so that one is not run again; "dots"
+# saves every dot.
+RECOMPUTED = {"none": {}, "dots": {}, "dots_no_batch": {"attn_scores": 1.0, "attn_values": 1.0},
+              "full": {"qkv": 1.0, "attn_scores": 1.0, "attn_values": 1.0, "attn_out": 1.0,
+                       "mlp": 0.5}}  # mlp: c_fc of c_fc and c_proj
+
+
+def recompute_flops(config: ProLIPConfig, global_batch: int, remat: str, masked_fraction: float = 0.125,
+                    image_keep_ratio: float = 0.75, text_length: int | None = None,
+                    num_masked: int | None = None, locked_towers: tuple[str, ...] = ()) -> float:
+    """The matmul FLOPs rematerialisation adds to `train_step_flops` (which, like MFU, counts
+    none): the trunk blocks' forward matmuls `RECOMPUTED[remat]` names once more, in the full
+    and the masked forward of every tower that is differentiated."""
+    if num_masked is None:
+        num_masked = int(global_batch * masked_fraction)
+    again = RECOMPUTED[remat]
+
+    def tower(c, batch: int, tokens: int) -> float:
+        return c.layers * sum(again.get(k, 0.0) * v for k, v in block_flops(batch, tokens, c.width, c.mlp_dim).items())
+
+    def both(batch: int, keep_ratio: float | None) -> float:
+        v, t = config.vision, config.text
+        kept = v.num_patches if keep_ratio is None else int(v.num_patches * keep_ratio)
+        length = t.context_length if text_length is None else text_length
+        total = 0.0
+        if "visual" not in locked_towers:
+            total += tower(v, batch, kept + int(v.class_token) + int(v.unc_token))
+        if "text" not in locked_towers:
+            total += tower(t, batch, length + 2 * (t.pool == "prolip"))
+        return total
+
+    return both(global_batch, None) + (both(num_masked, image_keep_ratio) if num_masked > 0 else 0.0)
+
+
 # ------------------------------------------------------------------------------- peaks and MFU
 # Dense (no sparsity) peak matmul FLOP/s per chip from vendor datasheets, keyed by a lower-case
 # substring of `jax.devices()[0].device_kind`; the first match wins, so specific keys go first.
