@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 
 # XLA:CPU compiles the suite's programs at LLVM -O0 with its older fusion emitters: most tests
-# run a program a few times, so its compile is their cost. -O0 compiles ~2x faster, and the
-# older emitters another ~2x for the micro train step (4.4 -> 2.2 s on 8 devices) and 10-15% for
-# the tiny ones; `make test` 714 -> 607 s (docs/performance_history.md, "Test suite time"). A test that
-# runs a program for hundreds of steps asks for XLA's defaults back with
-# `jax.jit(..., compiler_options=OPTIMIZED)`; a subprocess gets `xla_flags(devices)`.
+# run a program a few times, so its compile is their cost, and both compile faster
+# (docs/performance_history.md, "Test suite time"). A test that runs a program for hundreds of
+# steps asks for XLA's defaults back with `jax.jit(..., compiler_options=OPTIMIZED)`; a
+# subprocess gets `xla_flags(devices)`.
 OPT_LEVEL_FLAG = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 OPTIMIZED = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}  # XLA's defaults
 # XLA:CPU ends the process (SIGABRT) when a collective's local participants have not all arrived
