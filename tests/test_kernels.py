@@ -166,3 +166,32 @@ def test_the_lever_puts_the_kernels_in_the_blocks():
     jaxpr = str(jax.make_jaxpr(lambda p: model.apply(p, image, text))(params))
     layers = get_config("micro").vision.layers + get_config("micro").text.layers
     assert jaxpr.count("pallas_call") >= 3 * layers  # ln_1, ln_2 with the residual, bias + GELU
+
+
+def test_bfloat16_as_the_gpu_runs_them():
+    """bfloat16 activations (the B/16 recipe's compute dtype), float32 parameters: the residual
+    stream rounded to bfloat16 as `x + delta` is, the outputs in bfloat16; against the XLA path
+    to bfloat16 rounding (relative 1e-2 of the largest value, values and gradients)."""
+    x, delta, scale, bias, ct, ct2 = arrays((6,), 200, seed=4)
+    x, delta, ct, ct2 = (a.astype(jnp.bfloat16) for a in (x, delta, ct, ct2))
+
+    def reference(x, delta, scale, bias):
+        h = x + delta
+        return h, T.gelu(reference_ln(h, scale, bias).astype(jnp.bfloat16) + bias.astype(jnp.bfloat16), "gelu")
+
+    def kernel(x, delta, scale, bias):
+        h, y = kernels.add_layer_norm(x, delta, scale, bias, EPS, jnp.bfloat16)
+        return h, kernels.bias_act(y, bias.astype(jnp.bfloat16), "gelu")
+
+    for g, w in zip(kernel(x, delta, scale, bias), reference(x, delta, scale, bias)):
+        assert g.dtype == w.dtype == jnp.bfloat16
+        close(g, w, rel=1e-2)
+
+    def loss(fn):
+        return lambda *a: jnp.sum((fn(*a)[0] * ct2).astype(jnp.float32)) + jnp.sum((fn(*a)[1] * ct).astype(jnp.float32))
+
+    want = jax.grad(loss(reference), argnums=(0, 1, 2, 3))(x, delta, scale, bias)
+    got = jax.grad(loss(kernel), argnums=(0, 1, 2, 3))(x, delta, scale, bias)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        close(g, w, rel=1e-2)
