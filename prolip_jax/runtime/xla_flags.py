@@ -12,7 +12,7 @@ import os
 import shlex
 from typing import Mapping, MutableMapping
 
-# Each one a speed lever measured on the GPU (docs/performance.md, "Levers and defaults").
+# Speed levers measured on the GPU, with the config's (docs/performance.md, "Levers and defaults").
 GPU_FLAGS = {
     # XLA otherwise merges the full and the masked forward's dots that share a weight by
     # concatenating their activations: a copy of each [B*T, 3072] MLP input per layer.
@@ -32,8 +32,8 @@ def values(flags: str) -> dict[str, str]:
     it): `--a=1 --b --a=2` -> {'a': '2', 'b': 'true'}."""
     out = {}
     for f in shlex.split(flags):
-        name, _, value = f.lstrip("-").partition("=")
-        out[name] = value if _ else "true"
+        name, sep, value = f.lstrip("-").partition("=")
+        out[name] = value if sep else "true"
     return out
 
 
