@@ -88,12 +88,22 @@ def _pooling_and_heads(c: VisionConfig | TextConfig, embed_dim: int, batch: int,
     return out
 
 
+def vision_tokens(c: VisionConfig, keep_ratio: float | None = None) -> int:
+    """Tokens through the vision blocks: the kept patches ([CLS], [UNC] besides); None keeps all."""
+    kept = c.num_patches if keep_ratio is None else int(c.num_patches * keep_ratio)
+    return kept + int(c.class_token) + int(c.unc_token)
+
+
+def text_tokens(c: TextConfig, length: int | None = None) -> int:
+    """Tokens through the text blocks: `length` (default context_length), ProLIP's [UNC], [CLS] besides."""
+    return (c.context_length if length is None else length) + 2 * (c.pool == "prolip")
+
+
 def vision_forward_flops(config: VisionConfig, embed_dim: int, batch: int,
                          keep_ratio: float | None = None) -> dict[str, float]:
     """Vision tower forward on `batch` images; keep_ratio=None is the full (unmasked) forward."""
     c = config
-    kept = c.num_patches if keep_ratio is None else int(c.num_patches * keep_ratio)
-    tokens = kept + int(c.class_token) + int(c.unc_token)
+    tokens = vision_tokens(c, keep_ratio)
     out = {
         "patch_embed": 2.0 * batch * c.num_patches * (3 * c.patch_size ** 2) * c.width,
         "blocks": c.layers * sum(block_flops(batch, tokens, c.width, c.mlp_dim).values()),
@@ -108,8 +118,7 @@ def text_forward_flops(config: TextConfig, embed_dim: int, batch: int,
                        length: int | None = None) -> dict[str, float]:
     """Text tower forward on `batch` sequences of `length` tokens (default context_length)."""
     c = config
-    length = c.context_length if length is None else length
-    tokens = length + 2 * (c.pool == "prolip")  # ProLIP appends [UNC], [CLS]
+    tokens = text_tokens(c, length)
     out = {
         "embedding": 0.0,  # a gather, no multiply-adds
         "blocks": c.layers * sum(block_flops(batch, tokens, c.width, c.mlp_dim).values()),
@@ -183,13 +192,11 @@ def recompute_flops(config: ProLIPConfig, global_batch: int, remat: str, masked_
 
     def both(batch: int, keep_ratio: float | None) -> float:
         v, t = config.vision, config.text
-        kept = v.num_patches if keep_ratio is None else int(v.num_patches * keep_ratio)
-        length = t.context_length if text_length is None else text_length
         total = 0.0
         if "visual" not in locked_towers:
-            total += tower(v, batch, kept + int(v.class_token) + int(v.unc_token))
+            total += tower(v, batch, vision_tokens(v, keep_ratio))
         if "text" not in locked_towers:
-            total += tower(t, batch, length + 2 * (t.pool == "prolip"))
+            total += tower(t, batch, text_tokens(t, text_length))
         return total
 
     return both(global_batch, None) + (both(num_masked, image_keep_ratio) if num_masked > 0 else 0.0)
