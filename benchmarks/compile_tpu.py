@@ -12,7 +12,7 @@ donated state) on abstract arguments (the sharded train state, a global batch of
 and int32 tokens as the trainer sends) and compile it with the TPU compiler. Reported per chip:
   - memory from the compiled program: arguments, temporaries, outputs; total = arguments +
     temporaries + outputs - aliased (the donated state's buffers reused for the new state) +
-    generated code, against the HBM XLA may use on that chip (`HBM_GIB`). A program that does
+    generated code, against the HBM XLA may use on that chip (`Generation.hbm_gib`). A program that does
     not fit fails to compile with RESOURCE_EXHAUSTED: reported as "no" with the bytes it asked for;
   - FLOPs of the compiled program (`compiled.cost_analysis()`: every op, per chip) against
     prolip_jax/core/flops.py's matmul-only model count (`train_step_flops` / chips), and their ratio;
@@ -54,42 +54,31 @@ LIBTPU_MISSING = ("libtpu is not installed: it is the TPU compiler this script n
 @dataclasses.dataclass(frozen=True)
 class Generation:
     libtpu_name: str  # the generation's prefix in libtpu topology names ("v5" is v5p)
-    device_kind: str  # what jax reports for its devices
+    device_kind: str  # what jax reports for its devices (its bf16 peak: flops.peak_flops_per_device)
     cores_per_chip: int  # TensorCores per chip (the N of "v4-N" counts cores)
     chip_config: str  # "megacore": one device per chip of 2 cores
     datasheet_hbm: str
     shapes: dict[int, str]  # chips -> slice shape of the standard slices
+    # HBM per chip that XLA may allocate (GiB): the "available HBM" libtpu 0.0.42 states when a
+    # program does not fit (tests/test_compile_tpu.py checks it). The runtime keeps the rest of
+    # the datasheet capacity.
+    hbm_gib: float
+    # Rates for the step-time estimate (Cloud TPU documentation, cloud.google.com/tpu/docs/<generation>:
+    # "HBM bandwidth", and the data-center network: v5p "DCN bandwidth per chip 50 Gbps"; v5e
+    # "2 x 100 Gbps NIC" per host of 8 chips, 25 Gbps a chip). None: not stated there.
+    hbm_gb_s: float
+    dcn_gbit_s: float | None
 
 
 _CUBES = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
           512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
 _PLANES = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
 GENERATIONS = {
-    "v4": Generation("v4", "TPU v4", 2, "megacore", "32 GiB HBM2", _CUBES),
-    "v5p": Generation("v5", "TPU v5", 2, "megacore", "95 GB HBM2e", _CUBES),
-    "v5e": Generation("v5e", "TPU v5 lite", 1, "default", "16 GB HBM2", _PLANES),
-    "v6e": Generation("v6e", "TPU v6 lite", 1, "default", "32 GB HBM", _PLANES),
+    "v4": Generation("v4", "TPU v4", 2, "megacore", "32 GiB HBM2", _CUBES, 30.75, 1200, None),
+    "v5p": Generation("v5", "TPU v5", 2, "megacore", "95 GB HBM2e", _CUBES, 95.74, 2765, 50),
+    "v5e": Generation("v5e", "TPU v5 lite", 1, "default", "16 GB HBM2", _PLANES, 15.75, 819, 25),
+    "v6e": Generation("v6e", "TPU v6 lite", 1, "default", "32 GB HBM", _PLANES, 31.25, 1640, None),
 }
-# HBM per chip that XLA may allocate (GiB): the "available HBM" libtpu 0.0.42 states when a
-# program does not fit (tests/test_compile_tpu.py checks it for v4). The runtime keeps the rest
-# of the datasheet capacity (Generation.datasheet_hbm).
-HBM_GIB = {"v4": 30.75, "v5p": 95.74, "v5e": 15.75, "v6e": 31.25}
-
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-    """A chip's datasheet rates, for the step-time estimate (Cloud TPU documentation,
-    cloud.google.com/tpu/docs/<generation>: "peak compute per chip (bf16)", "HBM bandwidth",
-    and the data-center network: v5p "DCN bandwidth per chip 50 Gbps"; v5e "2 x 100 Gbps NIC"
-    per host of 8 chips, 25 Gbps a chip). None: not stated there."""
-
-    bf16_tflops: float
-    hbm_gb_s: float
-    dcn_gbit_s: float | None
-
-
-CHIPS = {"v4": Chip(275, 1200, None), "v5p": Chip(459, 2765, 50), "v5e": Chip(197, 819, 25),
-         "v6e": Chip(918, 1640, None)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +107,7 @@ class Topology:
 
     @property
     def hbm_gib(self) -> float:
-        return HBM_GIB[self.generation]
+        return GENERATIONS[self.generation].hbm_gib
 
 
 def topology_names() -> list[str]:
@@ -384,24 +373,28 @@ def estimate_step(r: dict[str, Any], topo: Topology) -> dict[str, Any]:
     FLOPs at the chip's bf16 peak and its HBM bytes at the chip's bandwidth (a roofline, as if
     compute and memory traffic overlapped perfectly), plus what each slice sends over DCN at the
     slice's DCN bandwidth (chips x the per-chip rate, not overlapped: an upper side). Rates:
-    `CHIPS`. XLA's cost analysis counts a loop's body once, so for scanned towers the FLOPs are
+    `flops.peak_flops_per_device` and `GENERATIONS`. XLA's cost analysis counts a loop's body once, so for scanned towers the FLOPs are
     flops.py's model count plus what the remat policy computes again (`flops.recompute_flops`),
     and the HBM bytes are scaled by the same factor (the blocks' bytes taken to grow as their
     FLOPs do)."""
-    chip = CHIPS[topo.generation]
+    from prolip_jax.core import flops as flops_lib
+
+    gen = GENERATIONS[topo.generation]
     flops, hbm = r["compiled_flops_per_chip"], r["hbm_bytes_per_chip"]
     counted = r["model_flops_per_chip"] + r.get("recompute_flops_per_chip", 0.0)
     if r.get("scan_layers") and flops < counted:
         hbm *= counted / flops
         flops = counted
-    compute_s = flops / (chip.bf16_tflops * 1e12)
-    memory_s = hbm / (chip.hbm_gb_s * 1e9)
-    out = {"compute_s": compute_s, "memory_s": memory_s, "dcn_s": 0.0, "est_hbm_bytes_per_chip": hbm}
+    peak = flops_lib.peak_flops_per_device(gen.device_kind, "bfloat16")
+    compute_s = flops / peak
+    memory_s = hbm / (gen.hbm_gb_s * 1e9)
+    out = {"compute_s": compute_s, "memory_s": memory_s, "dcn_s": 0.0, "est_hbm_bytes_per_chip": hbm,
+           "peak_flops_per_chip": peak}
     if r["dcn_bytes_per_slice"] > 0:
-        if chip.dcn_gbit_s is None:
+        if gen.dcn_gbit_s is None:
             out["dcn_s"] = float("nan")  # no published per-chip DCN rate for this generation
         else:
-            out["dcn_s"] = r["dcn_bytes_per_slice"] / (topo.chips * chip.dcn_gbit_s * 1e9 / 8)
+            out["dcn_s"] = r["dcn_bytes_per_slice"] / (topo.chips * gen.dcn_gbit_s * 1e9 / 8)
     out["step_s"] = max(compute_s, memory_s) + out["dcn_s"]
     return out
 
@@ -448,12 +441,12 @@ def describe(r: dict[str, Any]) -> str:
         lines.append(f"FLOPs per chip: compiled {r['compiled_flops_per_chip'] / 1e12:.2f} TFLOP, flops.py "
                      f"{r['model_flops_per_chip'] / 1e12:.2f} TFLOP (ratio {r['flops_ratio']:.3f}), remat "
                      f"{r['remat']} computes {r['recompute_flops_per_chip'] / 1e12:.2f} TFLOP again")
-        chip = CHIPS[r["generation"]]
+        gen = GENERATIONS[r["generation"]]
         lines.append(f"estimated step (not measured): {r['step_s']:.3f} s = max(compute {r['compute_s']:.3f} s at "
-                     f"{chip.bf16_tflops:g} TFLOP/s, HBM {r['est_hbm_bytes_per_chip'] / 1e9:.1f} GB in "
-                     f"{r['memory_s']:.3f} s at {chip.hbm_gb_s:g} GB/s) + DCN "
+                     f"{r['peak_flops_per_chip'] / 1e12:g} TFLOP/s, HBM {r['est_hbm_bytes_per_chip'] / 1e9:.1f} GB in "
+                     f"{r['memory_s']:.3f} s at {gen.hbm_gb_s:g} GB/s) + DCN "
                      f"{r['dcn_bytes_per_slice'] / 1e6:.1f} MB per slice in {r['dcn_s']:.3f} s at "
-                     f"{chip.dcn_gbit_s or '?'} Gbit/s per chip")
+                     f"{gen.dcn_gbit_s or '?'} Gbit/s per chip")
     else:
         lines.append(f"DOES NOT FIT: {r['error']}")
     return "\n".join(lines)

@@ -130,7 +130,7 @@ def test_tiny_train_step_compiles_for_v4_8():
 @pytest.mark.parametrize("name", ["v4-8", "v5p-8", "v5e-4", "v6e-4"])
 def test_hbm_table_is_what_the_compiler_allows(name):
     """A program over the chip's HBM fails to compile; its message states the HBM XLA may use,
-    which must be HBM_GIB's (one trivial compile per generation, < 1 s each)."""
+    which must be Generation.hbm_gib (one trivial compile per generation, < 1 s each)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
