@@ -1,7 +1,7 @@
 """The Pallas kernels of `model.pallas_kernels` (prolip_jax/core/models/kernels.py) against the
 XLA path they replace, forward and backward, in Pallas's interpreter on the CPU: LayerNorm
 (transformer.layer_norm), the residual add + LayerNorm of a block's ln_2, and the MLP's bias +
-activation (transformer.gelu), for every activation. Float32, to float32 rounding (relative
+activation (activations.gelu), for every activation. Float32, to float32 rounding (relative
 2e-6 of the largest value: sums over a row in another order). Shapes whose rows and width do not
 fill the last tile, and tiles made small so that several programs (and column blocks) share the
 rows and the columns. The kernels lower to Triton for CUDA (an export, no GPU needed) and run per shard
@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from prolip_jax.core import sharding
-from prolip_jax.core.models import ProLIP, get_config, kernels
+from prolip_jax.core.models import ProLIP, activations, get_config, kernels
 from prolip_jax.core.models import transformer as T
 from prolip_jax.core.models.transformer import BlockLevers
 
@@ -90,7 +90,7 @@ def test_residual_add_and_layer_norm(size):
         close(g, w)
 
 
-@pytest.mark.parametrize("act", T.ACTIVATIONS)
+@pytest.mark.parametrize("act", activations.ACTIVATIONS)
 def test_bias_and_activation(monkeypatch, act):
     monkeypatch.setattr(kernels, "TILE_ELEMENTS", 1024)
     monkeypatch.setattr(kernels, "COLUMNS", 64)  # 16 rows x 64 columns: 3 x 4 programs, both overhanging

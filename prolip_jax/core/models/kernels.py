@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jax.sharding import PartitionSpec as P
 
+from prolip_jax.core.models.activations import gelu
 from prolip_jax.core.sharding import BATCH_AXES
 
 # Elements in one program's tile of rows: rows = this / the padded width (8 rows of 768 -> 1024).
@@ -44,6 +45,7 @@ def traced_platform() -> str | None:
 
 
 # ------------------------------------------------------------------------------ the arithmetic
+@jax.custom_jvp
 def erf(x: jax.Array) -> jax.Array:
     """float32 erf as a rational function on [-4, 4] (Eigen's and XLA's own float32 erf; beyond
     4 it is +-1 in float32): Pallas's Triton lowering has no erf."""
@@ -58,31 +60,18 @@ def erf(x: jax.Array) -> jax.Array:
     return x * p / q
 
 
-def _sigmoid(x):
-    return 1.0 / (1.0 + jnp.exp(-x))
-
-
-TANH_C = math.sqrt(2.0 / math.pi)
+# Its derivative is erf's own, 2 / sqrt(pi) exp(-x^2), not the rational function's.
+erf.defjvp(lambda primals, tangents: (erf(primals[0]), 2.0 / math.sqrt(math.pi) * jnp.exp(-primals[0] ** 2) * tangents[0]))
 
 
 def activation(z: jax.Array, act: str) -> jax.Array:
-    """transformer.gelu's activations in float32."""
-    if act == "gelu":
-        return z * 0.5 * (1.0 + erf(z * math.sqrt(0.5)))
-    if act == "gelu_tanh":
-        return 0.5 * z * (1.0 + jnp.tanh(TANH_C * (z + 0.044715 * z * z * z)))
-    return z * _sigmoid(1.702 * z)  # quick_gelu
+    """activations.gelu in float32, with the erf above."""
+    return gelu(z, act, erf=erf)
 
 
 def activation_grad(z: jax.Array, act: str) -> jax.Array:
-    """d activation / dz."""
-    if act == "gelu":
-        return 0.5 * (1.0 + erf(z * math.sqrt(0.5))) + z * jnp.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
-    if act == "gelu_tanh":
-        t = jnp.tanh(TANH_C * (z + 0.044715 * z * z * z))
-        return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * TANH_C * (1.0 + 3 * 0.044715 * z * z)
-    s = _sigmoid(1.702 * z)  # quick_gelu
-    return s + 1.702 * z * s * (1.0 - s)
+    """d activation / dz, elementwise (forward-mode autodiff of `activation`)."""
+    return jax.jvp(functools.partial(activation, act=act), (z,), (jnp.ones_like(z),))[1]
 
 
 # ------------------------------------------------------------------------------ kernels
@@ -296,7 +285,7 @@ def _act_tiles(n: int, d: int) -> tuple[int, int, tuple[int, int]]:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def bias_act(x: jax.Array, bias: jax.Array, act: str) -> jax.Array:
-    """transformer.gelu(x + bias, act) in x's dtype, one kernel each way (the backward also
+    """activations.gelu(x + bias, act) in x's dtype, one kernel each way (the backward also
     gives the bias gradient's column sums)."""
     return _bias_act_fwd(x, bias, act)[0]
 

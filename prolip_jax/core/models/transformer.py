@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from prolip_jax.core.models import kernels
+from prolip_jax.core.models.activations import gelu
 
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
 
@@ -53,26 +54,6 @@ def constant(value: float) -> Initializer:
 
 zeros = jax.nn.initializers.zeros
 ones = jax.nn.initializers.ones
-
-
-ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
-SQRT_HALF = 0.5 ** 0.5
-
-
-def gelu(x: jax.Array, act: str) -> jax.Array:
-    """'gelu': exact (erf) GELU as torch's nn.GELU(); 'quick_gelu': OpenAI CLIP's x*sigmoid(1.702x)
-    (H/14, open_clip *-quickgelu); 'gelu_tanh': the tanh approximation used by SigLIP (timm
-    act_layer='gelu_tanh', flax `nn.gelu` default in big_vision's MlpBlock)."""
-    if act == "quick_gelu":
-        return x * jax.nn.sigmoid(1.702 * x)
-    if act == "gelu_tanh":
-        return jax.nn.gelu(x, approximate=True)
-    if act == "gelu":
-        # torch's nn.GELU() formula, x/2 (1 + erf(x/sqrt 2)): jax.nn.gelu(approximate=False) goes
-        # through erfc, whose XLA:CPU expansion (exp + piecewise selects) makes the step slower
-        # (docs/performance.md, "Levers and defaults"); the two agree to float32 rounding.
-        return x * 0.5 * (1.0 + jax.lax.erf(x * SQRT_HALF))
-    raise ValueError(f"unknown activation {act!r}; choose from {ACTIVATIONS}")
 
 
 def resolve_attention_impl(impl: str, dtype: jnp.dtype) -> str | None:
