@@ -185,9 +185,11 @@ class InputIterator(grain.DatasetIterator):
     def __init__(self, parent: grain.DatasetIterator, fingerprint: Mapping[str, Any],
                  layout: Mapping[str, int] | None = None, dataset: Any = None,
                  order: Any = None, max_truncated_share: float | None = None,
-                 context_length: int | None = None):
+                 context_length: int | None = None, data_files: Mapping[str, Any] | None = None):
         super().__init__(parent)
         self._fingerprint = dict(fingerprint)
+        self._data_files = data_files   # `_files_summary`: how a state names its files
+        self._told_moved = False
         self._layout = dict(layout or {"process_index": 0, "process_count": 1,
                                        "num_workers": 0})
         self._dataset, self._order = dataset, order   # to rebuild at a new origin
@@ -265,7 +267,7 @@ class InputIterator(grain.DatasetIterator):
         return {"version": _STATE_VERSION, "source": self._parent.get_state(),
                 "skipped": self.skip_counts, "examples": self._examples,
                 "batches": self._batches, "truncated": self._truncated,
-                "fingerprint": self._fingerprint,
+                "fingerprint": self._fingerprint, "data_files": self._data_files,
                 "layout": self._layout,
                 "origin": self._order.origin if self._order is not None else None}
 
@@ -339,10 +341,20 @@ class InputIterator(grain.DatasetIterator):
                              "was written by another code version.")
         saved = state["fingerprint"]
         diff = {k: (saved.get(k), v) for k, v in self._fingerprint.items() if saved.get(k) != v}
+        moved = "files" in diff and self._moved_files(state.get("data_files"))
+        if moved:
+            del diff["files"]
+        if set(diff) == {"files"}:
+            raise ValueError(self._other_files(state.get("data_files")))
         if diff:
             detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
             raise ValueError("The iterator state comes from a differently configured pipeline "
                              f"and cannot be resumed exactly ({detail}).")
+        if moved and not self._told_moved:   # once, also for every saved host's state
+            self._told_moved = True
+            log.warning("The data files moved: the run being resumed read %d files from %r on, now "
+                        "%r on (the same names): resuming at the saved position.",
+                        self._data_files["count"], state["data_files"]["first"], self._data_files["first"])
         if version == 1:   # layout in the fingerprint; origin (0, []) or a fresh tar start
             layout = {k: saved[k] for k in ("process_index", "process_count", "num_workers")}
             if saved["num_records"] and saved["num_records"] % layout["process_count"]:
@@ -352,6 +364,27 @@ class InputIterator(grain.DatasetIterator):
             origin = self._order.initial_origin() if self._order is not None else None
             state = dict(state, layout=layout, origin=origin, version=_STATE_VERSION)
         return state
+
+    def _moved_files(self, saved: Mapping[str, Any] | None) -> bool:
+        """Whether the saved run's files are this run's read from another directory or bucket:
+        the same names in the same order and the same settings (with the rest of the
+        fingerprint, the same records)."""
+        ours = self._data_files
+        return bool(saved and ours and saved.get("names") and saved["names"] == ours["names"]
+                    and saved.get("settings") == ours["settings"])
+
+    def _other_files(self, saved: Mapping[str, Any] | None) -> str:
+        now = self._data_files or {"count": "?", "first": "?", "names": None, "settings": []}
+        if saved and saved.get("names") == now["names"]:   # the same files: other settings
+            a, b = ({k: v for d in x for k, v in d.items()} for x in (saved["settings"], now["settings"]))
+            diff = ", ".join(f"{k}: saved {a.get(k)!r}, now {b.get(k)!r}" for k in sorted({*a, *b})
+                             if a.get(k) != b.get(k))
+            return (f"the data source's settings are not those of the run being resumed ({diff}): "
+                    "resume with the same settings, or start a new --workdir")
+        was = f"{saved['count']} files from {saved['first']!r} on" if saved else "other files"
+        return (f"the data files are not those of the run being resumed (it read {was}; this run "
+                f"reads {now['count']} files from {now['first']!r} on): resume with the same "
+                "files, or start a new --workdir")
 
     def _set_origin(self, origin: Any, force: bool = False) -> None:
         """Moves the source to `origin`; a new origin needs a fresh parent iterator."""
@@ -447,9 +480,9 @@ def build_dataset(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer |
 
 def _build(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer | None, train: bool,
            process_index: int | None, process_count: int | None
-           ) -> tuple[grain.IterDataset, dict[str, Any], dict[str, int], Any, Any]:
+           ) -> tuple[grain.IterDataset, dict[str, Any], dict[str, int], Any, Any, dict[str, Any]]:
     """(dataset, fingerprint, host/worker layout, the order dataset that holds the origin,
-    the random-access source or None)."""
+    the random-access source or None, `_files_summary` of its files)."""
     cfg = DataConfig.from_mapping(config)
     cfg.check_source()
     h, p = process_index_count(process_index, process_count)
@@ -497,15 +530,26 @@ def _build(config: Mapping[str, Any] | DataConfig, tokenizer: Tokenizer | None, 
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(
             num_workers=cfg.num_workers, per_worker_buffer_size=cfg.per_worker_buffer_size))
     fingerprint = {   # the keys and values of states saved before: they must still restore
-        "source": cfg.source, "files": _digest(records.files), "num_records": size,
+        "source": cfg.source, "files": _digest([*records.files, *records.settings]), "num_records": size,
         "train": train, "seed": cfg.seed, "shuffle": shuffle, "batch_size": cfg.batch_size,
         **source.spec(cfg)}
     layout = {"process_index": h, "process_count": p, "num_workers": cfg.num_workers}
-    return ds, fingerprint, layout, order, src
+    return ds, fingerprint, layout, order, src, _files_summary(records)
 
 
 def _digest(files: Sequence[str]) -> str:
     return hashlib.sha1(json.dumps(list(files)).encode()).hexdigest()[:16]
+
+
+def _files_summary(records: Any) -> dict[str, Any]:
+    """How many files, the first, the digest of their names without directories (relocatable
+    paths) and the source's settings: what a resume compares when the fingerprint's digest of
+    the files and settings differs."""
+    files = [str(f) for f in records.files]
+    names = [f.rstrip("/").rsplit("/", 1)[-1] for f in files] if records.relocatable else None
+    return {"count": len(files), "first": files[0] if files else "",
+            "names": _digest(names) if names is not None else None,
+            "settings": [json.loads(x) for x in records.settings]}
 
 
 def _ensure_absl_flags_parsed() -> None:
@@ -533,11 +577,11 @@ def build_train_iterator(config: Mapping[str, Any] | DataConfig,
     cfg = DataConfig.from_mapping(config)
     cfg.check_source()   # before the tokenizer is opened: the source may bring its own
     tokenizer = resolve_tokenizer(cfg, tokenizer)
-    ds, fingerprint, layout, order, src = _build(cfg, tokenizer, True, process_index,
-                                                 process_count)
+    ds, fingerprint, layout, order, src, files = _build(cfg, tokenizer, True, process_index,
+                                                        process_count)
     it = InputIterator(ds.__iter__(), fingerprint, layout, ds, order,
                        max_truncated_share=cfg.max_truncated_share,
-                       context_length=getattr(tokenizer, "context_length", None))
+                       context_length=getattr(tokenizer, "context_length", None), data_files=files)
     it.caption_index = getattr(src, "index", None)
     return it
 

@@ -100,7 +100,9 @@ def test_resume_gives_the_same_next_batch(listing):
     # The state pins the listing and its columns.
     other = build_train_iterator(_cfg(tmp / "train.csv", csv_caption_key="filepath"), CharTokenizer(),
                                  process_index=0, process_count=1)
-    with pytest.raises(ValueError, match="differently configured pipeline"):
+    with pytest.raises(ValueError, match=r"^the data source's settings are not those of the run being "
+                                         r"resumed \(caption_key: saved 'title', now 'filepath'\): resume "
+                                         r"with the same settings, or start a new --workdir$"):
         other.set_state(state)
     for i in (it, again, other):
         i.close()

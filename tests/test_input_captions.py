@@ -228,7 +228,8 @@ def test_deterministic_and_exact_resume(coco, iteration):
         resumed.set_state(state)
         _same(expected, _take(resumed, 4))
     other = _it(dict(cfg, noise_seed=1))
-    with pytest.raises(ValueError, match="differently configured"):
+    with pytest.raises(ValueError, match=r"settings are not those of the run being resumed "
+                                         r"\(noise_seed: saved 0, now 1\)"):
         other.set_state(state)
 
 

@@ -113,6 +113,41 @@ def test_other_differences_are_still_refused(data):
         one.set_state(states[1])
 
 
+@pytest.mark.parametrize("source", ["tar", "array_record"])
+def test_moved_files_resume_and_other_files_are_named(data, source, tmp_path, caplog):
+    """The same files under another directory (a copy to local disk, a new mount, a bucket) are
+    the same records: the run resumes at its position, with one warning. Other files are refused
+    in one line that says which (a rename, one shard fewer, or a state that predates the names)."""
+    import shutil
+    from pathlib import Path
+
+    first = Path(data["array_record"]).parent if source == "array_record" else Path(data["tar"]).parent
+    moved = tmp_path / "moved"
+    shutil.copytree(first, moved)
+    path = data[source].replace(str(first), str(moved))
+    it = _hosts(_cfg(data, source), 1)[0]
+    _, (state,) = _global_batches([it], 3)
+    expected, _ = _global_batches([it], 2)
+    again = _hosts(_cfg(data, source, path=path), 1)[0]
+    with caplog.at_level(logging.WARNING):
+        again.set_state(state)
+        again.set_state(state)
+    assert caplog.text.count("The data files moved") == 1 and str(moved) in caplog.text
+    assert _global_batches([again], 2)[0] == expected
+
+    other = sorted(moved.iterdir())
+    other[0].rename(other[0].with_name("renamed" + other[0].suffix))
+    renamed = _hosts(_cfg(data, source, path=str(moved / f"*{other[0].suffix}")), 1)[0]
+    with pytest.raises(ValueError, match=rf"^the data files are not those of the run being resumed \(it read "
+                                         rf"{NUM_SHARDS} files from '{re.escape(str(first))}/\S+' on; this run reads "
+                                         rf"{NUM_SHARDS} files from '{re.escape(str(moved))}/\S+' on\): resume "
+                                         r"with the same files, or start a new --workdir$"):
+        renamed.set_state(state)
+    older = dict(state, data_files=None)   # written before states named their files
+    with pytest.raises(ValueError, match=r"it read other files; this run reads"):
+        again.set_state(older)
+
+
 def test_trainer_resumes_its_data_on_2_then_1_then_2_processes(tmp_path):
     """The trainer's own checkpoints: 2 processes (2 steps) -> 1 process (to step 4) -> 2
     processes (to step 6) on the demo data; the data position ends at 6 global batches."""

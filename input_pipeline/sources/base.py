@@ -28,13 +28,17 @@ class Records:
     Streaming: `stream`, a grain IterDataset of raw records in the source's own order, with the
     resume interface of EpochOrderDataset (origin, initial_origin, restore_origin, resplit);
     tar_source.TarStreamDataset is one.
-    `files`: the strings that pin the records (paths, a dataset name), digested into the
-    iterator state's fingerprint.
+    `files` (paths, or a dataset name) and `settings` (the source's options that choose among
+    their records, as JSON strings) pin the records: digested into the iterator state's
+    fingerprint. `relocatable`: the files are paths, and the same files read from another
+    directory or bucket are the same records (a resume then matches them by name).
     """
     files: Sequence[str]
     items: Any = None
     to_raw: Callable[[Any], Any] | None = None
     stream: Any = None
+    settings: Sequence[str] = ()
+    relocatable: bool = True
 
 
 class DataSource:

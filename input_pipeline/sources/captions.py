@@ -58,16 +58,13 @@ class CaptionDataSource(DataSource):
     def read(self, cfg: Any, **order: Any) -> Records:
         items = captions.CaptionSource(self.load_index(cfg), cfg.caption_iteration,
                                        cfg.positive_level)
-        return Records(files=self.spec_files(cfg), items=items, to_raw=captions.ToRaw())
-
-    @staticmethod
-    def spec_files(cfg: Any) -> list[str]:
-        """What pins a caption source's records, for the iterator state's fingerprint."""
-        return [cfg.caption_file, cfg.image_root, json.dumps({
+        settings = json.dumps({
             "splits": list(cfg.splits), "class_split_dir": cfg.class_split_dir,
             "captions_per_image": cfg.captions_per_image, "iteration": cfg.caption_iteration,
             "positive_level": cfg.positive_level, "noise_ratio": cfg.noise_ratio,
-            "noise_seed": cfg.noise_seed})]
+            "noise_seed": cfg.noise_seed})
+        return Records(files=[cfg.caption_file, cfg.image_root], settings=[settings], items=items,
+                       to_raw=captions.ToRaw())
 
     def evaluate_with(self, cfg: Any) -> tuple[str, str]:
         return self._evaluate_with(cfg) if self._evaluate_with else super().evaluate_with(cfg)

@@ -125,10 +125,9 @@ class CsvSource(DataSource):
 
     def read(self, cfg: Any, **order: Any) -> Records:
         listing = open_listing(cfg)
-        files = [os.fspath(cfg.path), json.dumps({
-            "img_key": cfg.csv_img_key, "caption_key": cfg.csv_caption_key,
-            "separator": cfg.csv_separator})]
-        return Records(files=files, items=listing, to_raw=ToRaw())
+        settings = json.dumps({"img_key": cfg.csv_img_key, "caption_key": cfg.csv_caption_key,
+                               "separator": cfg.csv_separator})
+        return Records(files=[os.fspath(cfg.path)], settings=[settings], items=listing, to_raw=ToRaw())
 
 
 SOURCE = CsvSource()

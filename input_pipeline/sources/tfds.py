@@ -61,7 +61,7 @@ class TfdsSource(DataSource):
     def read(self, cfg: Any, **order: Any) -> Records:
         items = tfds_source(cfg.tfds_name, cfg.tfds_split, cfg.tfds_data_dir)
         return Records(files=[f"tfds:{cfg.tfds_name}/{cfg.tfds_split}"], items=items,
-                       to_raw=ToRaw(cfg.image_key, cfg.text_key, cfg.label_key))
+                       to_raw=ToRaw(cfg.image_key, cfg.text_key, cfg.label_key), relocatable=False)
 
 
 SOURCE = TfdsSource()
