@@ -138,6 +138,31 @@ def test_checkpoint_loads_as_a_model(runs):
     assert mu.shape == (2, 32) and np.all(np.isfinite(logvar))
 
 
+def test_a_checkpoint_of_the_trainer_before_it_became_a_package_resumes(runs, tmp_path, monkeypatch):
+    """A step-3 checkpoint of the same run written by the trainer before prolip_jax/trainer/
+    (tests/data/checkpoint_step3_trainer_before_parts.README.md) resumes to the step today's
+    uninterrupted run reaches: the same parameters (bit-identical when the fixture was written;
+    the tolerance leaves room for a later change of rounding in the fixture's three steps) and
+    the same data position."""
+    import tarfile
+    from pathlib import Path
+
+    tmp, straight, *_ = runs
+    with tarfile.open(Path(__file__).parent / "data" / "checkpoint_step3_trainer_before_parts.tar.gz") as tar:
+        tar.extractall(tmp_path / "w" / "checkpoints", filter="data")
+    monkeypatch.chdir(tmp_path)   # the fixture's run read its demo data from ./demo_cache
+    cfg = tiny_config(tmp)
+    cfg.data.demo.cache_dir = "demo_cache"
+    resumed = train.train(cfg, str(tmp_path / "w"))
+    assert resumed["data/batches"] == straight["data/batches"] == 2 * N
+    a, step_a = _params(tmp_path / "w")
+    b, _ = _params(tmp / "straight")
+    assert step_a == 2 * N
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        assert np.abs(x - y).max() <= 1e-5 * max(np.abs(y).max(), 1e-12), jax.tree_util.keystr(path)
+    assert resumed["loss"] == pytest.approx(straight["loss"], rel=1e-5)
+
+
 def test_restore_onto_another_mesh(runs, tmp_path):
     """The 8-way data-parallel checkpoint resumes on an FSDP x data mesh and keeps training;
     a half-written later save (as a killed process leaves it) does not hide it."""
