@@ -374,17 +374,19 @@ class InputIterator(grain.DatasetIterator):
                     and saved.get("settings") == ours["settings"])
 
     def _other_files(self, saved: Mapping[str, Any] | None) -> str:
-        now = self._data_files or {"count": "?", "first": "?", "names": None, "settings": []}
-        if saved and saved.get("names") == now["names"]:   # the same files: other settings
+        now = self._data_files or {"count": 0, "first": "", "names": None, "settings": []}
+        if not saved:   # a state written before states named their files
+            return (f"the data (its files or the source's settings) is not that of the run being "
+                    f"resumed (this run reads {_files_read(now)}): resume with the same data, or "
+                    "start a new --workdir")
+        if now["names"] is not None and saved.get("names") == now["names"]:   # other settings
             a, b = ({k: v for d in x for k, v in d.items()} for x in (saved["settings"], now["settings"]))
             diff = ", ".join(f"{k}: saved {a.get(k)!r}, now {b.get(k)!r}" for k in sorted({*a, *b})
                              if a.get(k) != b.get(k))
             return (f"the data source's settings are not those of the run being resumed ({diff}): "
                     "resume with the same settings, or start a new --workdir")
-        was = f"{saved['count']} files from {saved['first']!r} on" if saved else "other files"
-        return (f"the data files are not those of the run being resumed (it read {was}; this run "
-                f"reads {now['count']} files from {now['first']!r} on): resume with the same "
-                "files, or start a new --workdir")
+        return (f"the data files are not those of the run being resumed (it read {_files_read(saved)}; "
+                f"this run reads {_files_read(now)}): resume with the same files, or start a new --workdir")
 
     def _set_origin(self, origin: Any, force: bool = False) -> None:
         """Moves the source to `origin`; a new origin needs a fresh parent iterator."""
@@ -550,6 +552,11 @@ def _files_summary(records: Any) -> dict[str, Any]:
     return {"count": len(files), "first": files[0] if files else "",
             "names": _digest(names) if names is not None else None,
             "settings": [json.loads(x) for x in records.settings]}
+
+
+def _files_read(summary: Mapping[str, Any]) -> str:
+    first = repr(summary["first"])
+    return first if summary["count"] == 1 else f"{summary['count']} files from {first} on"
 
 
 def _ensure_absl_flags_parsed() -> None:

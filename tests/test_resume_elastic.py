@@ -144,8 +144,26 @@ def test_moved_files_resume_and_other_files_are_named(data, source, tmp_path, ca
                                          r"with the same files, or start a new --workdir$"):
         renamed.set_state(state)
     older = dict(state, data_files=None)   # written before states named their files
-    with pytest.raises(ValueError, match=r"it read other files; this run reads"):
+    with pytest.raises(ValueError, match=r"^the data \(its files or the source's settings\) is not that of "
+                                         rf"the run being resumed \(this run reads {NUM_SHARDS} files from"):
         again.set_state(older)
+
+
+def test_a_dataset_name_is_not_matched_by_its_last_part():
+    """tfds names are not paths: 'tfds:a/train' and 'tfds:b/train' are other data."""
+    import grain
+    from input_pipeline.sources.base import Records
+
+    def iterator(name):
+        records = Records(files=[f"tfds:{name}/train"], relocatable=False)
+        fingerprint = {"source": "tfds", "files": pipeline._digest(records.files)}
+        return pipeline.InputIterator(grain.MapDataset.range(1).to_iter_dataset().__iter__(), fingerprint,
+                                      data_files=pipeline._files_summary(records))
+
+    state = iterator("a").get_state()
+    with pytest.raises(ValueError, match=r"^the data files are not those of the run being resumed \(it read "
+                                         r"'tfds:a/train'; this run reads 'tfds:b/train'\)"):
+        iterator("b").set_state(state)
 
 
 def test_trainer_resumes_its_data_on_2_then_1_then_2_processes(tmp_path):
