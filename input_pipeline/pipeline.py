@@ -347,14 +347,15 @@ class InputIterator(grain.DatasetIterator):
         if set(diff) == {"files"}:
             raise ValueError(self._other_files(state.get("data_files")))
         if diff:
-            detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
-            raise ValueError("The iterator state comes from a differently configured pipeline "
-                             f"and cannot be resumed exactly ({detail}).")
+            detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" if k != "files" else
+                               self._files_detail(state.get("data_files")) for k, (a, b) in diff.items())
+            raise ValueError(f"the data pipeline's settings are not those of the run being resumed "
+                             f"({detail}): resume with the same settings, or start a new --workdir")
         if moved and not self._told_moved:   # once, also for every saved host's state
             self._told_moved = True
-            log.warning("The data files moved: the run being resumed read %d files from %r on, now "
-                        "%r on (the same names): resuming at the saved position.",
-                        self._data_files["count"], state["data_files"]["first"], self._data_files["first"])
+            log.warning("The data files moved: the run being resumed read %s, this run reads %s (the "
+                        "same names): resuming at the saved position.", _files_read(state["data_files"]),
+                        _files_read(self._data_files))
         if version == 1:   # layout in the fingerprint; origin (0, []) or a fresh tar start
             layout = {k: saved[k] for k in ("process_index", "process_count", "num_workers")}
             if saved["num_records"] and saved["num_records"] % layout["process_count"]:
@@ -387,6 +388,11 @@ class InputIterator(grain.DatasetIterator):
                     "resume with the same settings, or start a new --workdir")
         return (f"the data files are not those of the run being resumed (it read {_files_read(saved)}; "
                 f"this run reads {_files_read(now)}): resume with the same files, or start a new --workdir")
+
+    def _files_detail(self, saved: Mapping[str, Any] | None) -> str:
+        if not (saved and self._data_files):
+            return "files: other files"
+        return f"files: saved {_files_read(saved)}, now {_files_read(self._data_files)}"
 
     def _set_origin(self, origin: Any, force: bool = False) -> None:
         """Moves the source to `origin`; a new origin needs a fresh parent iterator."""

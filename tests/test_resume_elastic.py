@@ -104,8 +104,16 @@ def test_other_differences_are_still_refused(data):
     states = [it[0].get_state(), it[1].get_state()]
     other = pipeline.build_train_iterator(_cfg(data, "array_record", seed=3), TOK,
                                           process_index=0, process_count=1)
-    with pytest.raises(ValueError, match="seed: saved 0, now 3"):
+    with pytest.raises(ValueError, match=r"^the data pipeline's settings are not those of the run being resumed "
+                                         r"\(seed: saved 0, now 3\): resume with the same settings, or start a "
+                                         r"new --workdir$"):
         other.set_states(states)
+    fewer = pipeline.build_train_iterator(_cfg(data, "array_record", seed=3, path=data["array_record"].replace(
+        "*.array_record", "0000[0-6]*.array_record")), TOK, process_index=0, process_count=1)
+    with pytest.raises(ValueError, match=rf"\(files: saved {NUM_SHARDS} files from '\S+' on, now "
+                                         rf"{NUM_SHARDS - 1} files from '\S+' on, num_records: saved {N}, now {N - PER_SHARD}, "
+                                         r"seed: saved 0, now 3\)"):
+        fewer.set_states(states)
     one = _hosts(_cfg(data, "array_record"), 1)[0]
     with pytest.raises(ValueError, match="each of the 2 saved hosts exactly once"):
         one.set_states(states[:1])
