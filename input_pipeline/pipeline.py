@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import urllib.parse
 from typing import Any, Callable, Mapping, Sequence
 
 import grain
@@ -553,11 +554,20 @@ def _files_summary(records: Any) -> dict[str, Any]:
     """How many files, the first, the digest of their names without directories (relocatable
     paths) and the source's settings: what a resume compares when the fingerprint's digest of
     the files and settings differs."""
-    files = [str(f) for f in records.files]
+    files = [_without_secrets(str(f)) for f in records.files]
     names = [f.rstrip("/").rsplit("/", 1)[-1] for f in files] if records.relocatable else None
     return {"count": len(files), "first": files[0] if files else "",
             "names": _digest(names) if names is not None else None,
             "settings": [json.loads(x) for x in records.settings]}
+
+
+def _without_secrets(path: str) -> str:
+    """A URL without its user, password, query and fragment (a signed URL's signature is not
+    written into checkpoints or logs, and a re-signed URL keeps its name)."""
+    if "://" not in path:
+        return path
+    parts = urllib.parse.urlsplit(path)
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
 
 
 def _files_read(summary: Mapping[str, Any]) -> str:
