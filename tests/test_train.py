@@ -149,7 +149,8 @@ def test_a_checkpoint_of_the_trainer_before_it_became_a_package_resumes(runs, tm
 
     tmp, straight, *_ = runs
     with tarfile.open(Path(__file__).parent / "data" / "checkpoint_step3_trainer_before_parts.tar.gz") as tar:
-        tar.extractall(tmp_path / "w" / "checkpoints", filter="data")
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}   # Python >= 3.11.4
+        tar.extractall(tmp_path / "w" / "checkpoints", **safe)
     monkeypatch.chdir(tmp_path)   # the fixture's run read its demo data from ./demo_cache
     cfg = tiny_config(tmp)
     cfg.data.demo.cache_dir = "demo_cache"
