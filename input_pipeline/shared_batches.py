@@ -231,6 +231,8 @@ class Receiver:
         workers have stopped: one that ended normally has unlinked its ring already; one that was
         killed (kill -9, the OOM killer) has not, and its ring is unlinked here and taken off the
         resource tracker's list (no "leaked shared_memory objects" warning at exit)."""
+        if not self._flags and not self._data:   # nothing mapped (no workers, or closed before)
+            return
         names = [*self._flags, *(name for name, _ in self._data.values())]
         if os.path.isdir("/dev/shm"):   # also the slots of a ring not yet seen here (Linux)
             names += [n for flags in self._flags for n in os.listdir("/dev/shm") if n.startswith(flags + "-")]
