@@ -224,6 +224,9 @@ class InputIterator(grain.DatasetIterator):
             super().close()   # stops the workers
         finally:   # also when a dead worker makes stopping them fail
             self._receiver.close()
+            # grain's iterators go now, not at the interpreter's exit: there grain's __del__
+            # closes them again, and its thread-prefetch close fails on torn-down modules.
+            self._parents = ()
 
     def _check_truncation(self) -> None:
         """Warns once when the share of truncated captions passes the configured limit."""

@@ -109,17 +109,18 @@ def test_resume_gives_the_same_next_batch(listing):
 
 
 def test_a_script_that_closes_its_iterator_exits_quietly(listing):
-    """The public iterator in a user's script: closed by the script and again by grain at the
-    interpreter's exit (DatasetIterator.__del__, when modules are being torn down: this
-    source's iterator lives until then), nothing on stderr."""
+    """The public iterator in a user's script, without and with worker processes: closed by the
+    script and again by grain at the interpreter's exit (DatasetIterator.__del__, while modules
+    are torn down: these iterators are the script's globals), nothing on stderr."""
     import os
     import subprocess
 
     tmp, _ = listing
     script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
               f"from test_csv_source import CharTokenizer, _cfg\nfrom input_pipeline import build_train_iterator\n"
-              f"it = build_train_iterator(_cfg({str(tmp / 'train.csv')!r}), CharTokenizer(), process_index=0, "
-              f"process_count=1)\nnext(it); it.close()\n")
+              f"its = [build_train_iterator(_cfg({str(tmp / 'train.csv')!r}, num_workers=w), CharTokenizer(), "
+              f"process_index=0, process_count=1) for w in (0, 1)]\n"
+              f"for it in its:\n    next(it); it.close()\n")
     run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert run.returncode == 0 and run.stderr == "", run.stderr[-3000:]
