@@ -208,9 +208,8 @@ def _ln_backward(h, dy, dh, scale, mean, rstd):
     residual = dh is not None
     ins = [h, dy, dh] if residual else [h, dy]
     out_shape = [jax.ShapeDtypeStruct((n, d), h.dtype)] + [jax.ShapeDtypeStruct((programs, d), jnp.float32)] * 2
-    dx, dscale, dbias = _call(_ln_bwd_kernel, out_shape, (programs,), [tile] * len(ins) + [vec, row, row],
-                              [tile, part, part], n=n, d=d, residual=residual)(*ins, scale, mean, rstd)
-    return dx, dscale, dbias
+    return _call(_ln_bwd_kernel, out_shape, (programs,), [tile] * len(ins) + [vec, row, row],
+                 [tile, part, part], n=n, d=d, residual=residual)(*ins, scale, mean, rstd)
 
 
 def _rows(x):
@@ -277,10 +276,14 @@ def _add_layer_norm_bwd(eps, dtype, res, cotangents):
 add_layer_norm.defvjp(_add_layer_norm_fwd, _add_layer_norm_bwd)
 
 
-def _act_tiles(n: int, d: int) -> tuple[int, int, tuple[int, int]]:
+def _act_tiles(n: int, d: int):
+    """(grid, block specs) for tiles of rows x columns: a tile, the bias's columns, a row of
+    column sums per row of programs."""
     cols = min(COLUMNS, pl.next_power_of_2(d))
     rows = max(1, TILE_ELEMENTS // cols)
-    return rows, cols, (pl.cdiv(n, rows), pl.cdiv(d, cols))
+    specs = (pl.BlockSpec((rows, cols), lambda i, j: (i, j)), pl.BlockSpec((cols,), lambda i, j: (j,)),
+             pl.BlockSpec((1, cols), lambda i, j: (i, j)))
+    return (pl.cdiv(n, rows), pl.cdiv(d, cols)), specs
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -293,8 +296,7 @@ def bias_act(x: jax.Array, bias: jax.Array, act: str) -> jax.Array:
 def _bias_act_fwd(x, bias, act):
     def fwd(x, bias):
         n, d = _rows(x).shape
-        rows, cols, grid = _act_tiles(n, d)
-        tile, vec = pl.BlockSpec((rows, cols), lambda i, j: (i, j)), pl.BlockSpec((cols,), lambda i, j: (j,))
+        grid, (tile, vec, _) = _act_tiles(n, d)
         y = _call(_bias_act_fwd_kernel, jax.ShapeDtypeStruct((n, d), x.dtype), grid, [tile, vec], tile,
                   n=n, d=d, act=act)(_rows(x), bias)
         return y.reshape(x.shape)
@@ -305,9 +307,7 @@ def _bias_act_fwd(x, bias, act):
 def _bias_act_bwd(act, res, dy):
     def bwd(x, dy, bias):
         n, d = _rows(x).shape
-        rows, cols, grid = _act_tiles(n, d)
-        tile, vec = pl.BlockSpec((rows, cols), lambda i, j: (i, j)), pl.BlockSpec((cols,), lambda i, j: (j,))
-        part = pl.BlockSpec((1, cols), lambda i, j: (i, j))
+        grid, (tile, vec, part) = _act_tiles(n, d)
         out_shape = (jax.ShapeDtypeStruct((n, d), x.dtype), jax.ShapeDtypeStruct((grid[0], d), jnp.float32))
         dx, db = _call(_bias_act_bwd_kernel, out_shape, grid, [tile, vec, tile], (tile, part), n=n, d=d,
                        act=act)(_rows(x), bias, _rows(dy))
